@@ -1,0 +1,32 @@
+# The two commands a new machine needs: `make demo` (the main job on its embedded default) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: this build lies on local disk; an unpinned torch could pull a multi-GB CUDA build.
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+demo: $(STAMP)
+	$(VENV)/bin/prefixdpo train
+
+bench: $(STAMP)
+	$(VENV)/bin/prefixdpo bench
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/prefixdpo bench --quick
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

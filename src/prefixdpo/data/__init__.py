@@ -1,0 +1,1 @@
+"""From user records to packed prefix-shared batches."""
