@@ -1,0 +1,51 @@
+"""`prefixdpo` command line: dispatches to the sub-command modules in `prefixdpo.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from prefixdpo.commands import COMMANDS
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, exit code 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixdpo",
+        description="Exact, fast DPO-family preference tuning of Hugging Face causal LMs by prefix sharing.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"prefixdpo.commands.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"prefixdpo.commands.{name}":
+                raise
+            continue  # a command not built yet in this checkout
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        argv = ["train"]  # the embedded default: `prefixdpo` alone runs the demo training job
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        # Bad input is reported as one line naming the problem, never as a traceback.
+        print(f"prefixdpo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
