@@ -1,0 +1,1 @@
+"""The prefix-sharing attention rule and the backends that realise it."""

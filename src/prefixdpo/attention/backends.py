@@ -1,0 +1,66 @@
+"""Attention backends for prefix-shared lines, as one named transformers attention implementation.
+
+`ATTENTION_NAME` is registered with `transformers.AttentionInterface`, so every model that supports
+sdpa/flex runs it without per-architecture patches. transformers hands a 4D tensor or a BlockMask given
+as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
+build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.flex_attention import flex_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from prefixdpo.attention.masks import block_mask, dense_mask
+
+ATTENTION_NAME = "prefixdpo"
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def _is_block_mask(mask) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(mask, BlockMask)
+
+
+def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """query [B,H,L,D], key/value [B,Hkv,L,D]; attention_mask a BlockMask, a bool [B,1,L,L], or None.
+
+    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then.
+    """
+    if attention_mask is not None and _is_block_mask(attention_mask):
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is None:
+        kwargs.setdefault("is_causal", True)
+    else:
+        kwargs["is_causal"] = False
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
+
+
+def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: bool = True) -> str:
+    """`auto` -> flex on CUDA (compiled, block-sparse), sdpa elsewhere.
+
+    FlexAttention has no backward on CPU (torch 2.13), so flex is refused there for training.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type == "cpu" and needs_grad:
+        raise ValueError("attention backend 'flex' cannot train on CPU (FlexAttention has no CPU backward); use 'sdpa'")
+    return backend
+
+
+def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backend: str):
+    """The mask object for a resolved backend: BlockMask for flex, bool [B,1,L,L] for sdpa."""
+    if backend == "flex":
+        return block_mask(doc_ids, branch_ids)
+    if backend == "sdpa":
+        return dense_mask(doc_ids, branch_ids)
+    raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")

@@ -1,0 +1,140 @@
+"""Run any Hugging Face causal LM on prefix-shared lines and return per-response log-probs.
+
+The model's own forward runs (so wrappers such as DDP, PEFT and gradient checkpointing see a normal
+call); a forward hook on its decoder captures the final hidden states, and the LM head is then applied
+only where a response token is predicted (`logprobs.py`). `logits_to_keep=1` keeps the model's own head
+to one position per line; that position doubles as a check that our head path equals the model's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from prefixdpo.attention.backends import ATTENTION_NAME, build_attention_mask, resolve_backend
+from prefixdpo.data.batch import Batch
+from prefixdpo.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
+
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_ALIBI_MODEL_TYPES = {"bloom", "mpt", "falcon", "baichuan"}
+
+
+def unwrap(model):
+    """The Hugging Face model inside DDP/FSDP/accelerate wrappers (PEFT models are kept: they forward
+    `get_decoder` and friends to the base model)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def sliding_window_of(model) -> int | None:
+    """The attention window if any layer uses sliding-window attention, else None."""
+    cfg = _text_config(model)
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_model_supported(model, backend: str) -> None:
+    """Refuse, naming the feature, any model whose attention semantics the rule does not reproduce."""
+    hf = unwrap(model)
+    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    cfg = _text_config(base)
+    name = type(base).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
+    if not getattr(base, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not dispatch attention through transformers' AttentionInterface; "
+            "prefixdpo cannot give it the prefix-sharing mask"
+        )
+    if backend == "sdpa" and not getattr(base, "_supports_sdpa", False):
+        raise UnsupportedModelError(f"{name} does not support SDPA attention")
+    if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
+        raise UnsupportedModelError(f"{name} does not support FlexAttention")
+    layer_types = set(getattr(cfg, "layer_types", None) or ())
+    if layer_types - _SUPPORTED_LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"{name} has layers of type {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} (not plain attention), "
+            "which ignore the attention mask"
+        )
+    if getattr(cfg, "model_type", "") in _ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False):
+        raise UnsupportedModelError(f"{name} uses ALiBi position bias, which ignores position ids")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
+        raise UnsupportedModelError(
+            f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA)"
+        )
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
+
+
+def prepare_model(model, backend: str = "sdpa") -> None:
+    """Switch the model to prefixdpo's attention implementation (after checking it is supported)."""
+    check_model_supported(model, backend)
+    hf = unwrap(model)
+    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
+        base.set_attn_implementation(ATTENTION_NAME)
+
+
+def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the model; return (hidden [B, L, D], the model's own logits at its last position [B, V] or None)."""
+    hf = unwrap(model)
+    decoder = hf.get_decoder()
+    captured: list[torch.Tensor] = []
+
+    def grab(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = decoder.register_forward_hook(grab)
+    try:
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=1,  # the model's own head on one position only: we apply ours where needed
+        )
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return captured[0], (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
+
+
+def compute_response_logps(
+    model, batch: Batch, *, backend: str = "auto", chunk_size: int = 1024, attention_mask=None
+) -> ResponseLogps:
+    """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
+
+    attention_mask: a prebuilt mask for this batch (shared by policy and reference passes), else built here.
+    """
+    device = batch.input_ids.device
+    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
+    hf = unwrap(model)
+    window = sliding_window_of(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
+    if window is not None and batch.max_sequence_length > window:
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window}) is shorter than a sequence of "
+            f"{batch.max_sequence_length} tokens in this batch; prefixdpo would not reproduce it "
+            f"(set max_length <= {window})"
+        )
+    if attention_mask is None:
+        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    hidden, model_last_logits = final_hidden_states(model, batch, attention_mask)
+    head = lm_head_fn(hf)
+    if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
+        check_head(head, hidden[:, -1], model_last_logits)
+        hf._prefixdpo_head_checked = True
+    return response_logps(hidden, batch, head, chunk_size)
