@@ -1,0 +1,1 @@
+"""Benchmarks: the useful-FLOP model (`flops`) and the side-by-side standard vs prefix-shared runs."""

@@ -1,0 +1,194 @@
+"""A useful-FLOP model: what standard DPO and prefix sharing must compute, and the ideal speedup.
+
+Counted per forward pass of one sequence/row (multiply-add = 2 FLOPs):
+
+    body      2 * body_params_per_token * tokens          (q, k, v, o projections with GQA + SwiGLU MLP)
+    attention 4 * heads * head_dim * allowed_pairs        per layer (q.k^T and p.v, 2 FLOPs each)
+    LM head   2 * hidden * vocab * head_positions         (only positions that predict a response token)
+
+"Useful" means padding, masked-out attention blocks, embeddings lookups, norms, softmax and biases are
+not counted, and the LM head is counted only where a response token is predicted, on both sides.
+So the ratio `ideal_speedup` is what prefix sharing can gain at best from computing less; measured
+throughput ratios also include kernel efficiency, padding, and fixed per-step costs.
+
+A DPO training step is 3x forward for the policy's forward+backward plus 1x forward for the reference
+model, with the same sequences on both sides (gradient checkpointing adds one more forward, again on
+both sides), so every term scales by the same factor and the ratio of forward FLOPs is the ratio of
+step FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from prefixdpo.data.example import Example
+
+__all__ = [
+    "ModelShape",
+    "FlopCount",
+    "LLAMA_3_1_8B",
+    "forward_flops",
+    "standard_flop_count",
+    "shared_flop_count",
+    "standard_flops",
+    "shared_flops",
+    "ideal_speedup",
+]
+
+
+class FlopCount(NamedTuple):
+    """Forward FLOPs split by where they are spent (Python ints: no overflow)."""
+
+    body: int
+    attention: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return self.body + self.attention + self.lm_head
+
+    def __add__(self, other: FlopCount) -> FlopCount:  # type: ignore[override]  (tuple + would concatenate)
+        return FlopCount(self.body + other.body, self.attention + other.attention, self.lm_head + other.lm_head)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-style decoder that the FLOP count needs."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers `PretrainedConfig` (Llama/Mistral/Qwen2-style names).
+
+        Multimodal configs use their text config. `num_key_value_heads` defaults to the head count and
+        `head_dim` to hidden / heads, as in the models themselves.
+        """
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        missing = [
+            name
+            for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if getattr(config, name, None) is None
+        ]
+        if missing:
+            raise ValueError(f"config {type(config).__name__} lacks {', '.join(missing)}: cannot count FLOPs")
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            hidden=int(config.hidden_size),
+            intermediate=int(config.intermediate_size),
+            layers=int(config.num_hidden_layers),
+            heads=heads,
+            kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            vocab=int(config.vocab_size),
+        )
+
+    def body_params_per_token(self) -> int:
+        """Weights each token multiplies through in the body (all layers; norms and biases ignored).
+
+        Per layer: q (hidden x heads*head_dim), k and v (hidden x kv_heads*head_dim each), o
+        (heads*head_dim x hidden), SwiGLU MLP gate, up and down (3 x hidden x intermediate).
+        """
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (q_o + k_v + mlp)
+
+    def lm_head_params(self) -> int:
+        return self.hidden * self.vocab
+
+    def flop_fractions(
+        self, examples: Iterable[Example | tuple[int, Sequence[int]]], *, shared: bool = True
+    ) -> dict[str, float]:
+        """Share of forward FLOPs in the body's matmuls, attention, and the LM head for a workload.
+
+        returns {"body": f, "attention": f, "lm_head": f}, summing to 1. For a small model with a large
+        vocabulary the LM head dominates, and prefix sharing cannot shrink it (see DESIGN.md lever 3).
+        """
+        count = FlopCount(0, 0, 0)
+        for ex in examples:
+            count = count + (shared_flop_count(self, ex) if shared else standard_flop_count(self, ex))
+        total = count.total
+        if total == 0:
+            raise ValueError("flop_fractions: empty workload")
+        return {"body": count.body / total, "attention": count.attention / total, "lm_head": count.lm_head / total}
+
+
+# Llama-3.1-8B, the paper's main model: for reports comparing the ideal speedup with its measurements.
+LLAMA_3_1_8B = ModelShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256)
+
+
+def forward_flops(shape: ModelShape, tokens: int, allowed_pairs: int, head_positions: int) -> FlopCount:
+    """Forward FLOPs of one sequence/row with `tokens` positions, `allowed_pairs` (query, key) pairs
+    the attention mask allows (per layer and head), and `head_positions` positions run through the LM head."""
+    return FlopCount(
+        body=2 * shape.body_params_per_token() * tokens,
+        attention=shape.layers * 4 * shape.heads * shape.head_dim * allowed_pairs,
+        lm_head=2 * shape.lm_head_params() * head_positions,
+    )
+
+
+def _lengths(example: Example | tuple[int, Sequence[int]]) -> tuple[int, list[int]]:
+    if isinstance(example, Example):
+        return len(example.prompt_ids), [len(r) for r in example.response_ids]
+    prompt_len, response_lens = example
+    return int(prompt_len), [int(r) for r in response_lens]
+
+
+def standard_flop_count(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> FlopCount:
+    """Standard DPO: each response its own causal [prompt][response] sequence of n = P + R tokens,
+    n(n+1)/2 allowed pairs, R LM-head positions (prompt's last token .. response's second-to-last).
+
+    example: an Example, or (prompt_length, [response lengths]) for length-only workloads.
+    """
+    p, responses = _lengths(example)
+    count = FlopCount(0, 0, 0)
+    for r in responses:
+        n = p + r
+        count = count + forward_flops(shape, n, n * (n + 1) // 2, r)
+    return count
+
+
+def shared_flop_count(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> FlopCount:
+    """Prefix sharing: one row, prompt once then every response; the prompt attends causally
+    (P(P+1)/2 pairs) and each response of R tokens to the whole prompt and causally to itself
+    (R*P + R(R+1)/2 pairs). LM-head positions are the same as standard's."""
+    p, responses = _lengths(example)
+    pairs = p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in responses)
+    return forward_flops(shape, p + sum(responses), pairs, sum(responses))
+
+
+def standard_flops(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> int:
+    """Total forward FLOPs of standard DPO on one example (see `standard_flop_count`)."""
+    return standard_flop_count(shape, example).total
+
+
+def shared_flops(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> int:
+    """Total forward FLOPs of the prefix-shared row of one example (see `shared_flop_count`)."""
+    return shared_flop_count(shape, example).total
+
+
+def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]]) -> float:
+    """sum standard FLOPs / sum prefix-shared FLOPs over a workload (>= 1).
+
+    The training step's 3x (forward + backward) for the policy and 1x reference forward multiply both
+    sides by the same factor, so this forward-FLOP ratio is also the step-FLOP ratio.
+    """
+    std = shared = 0
+    for ex in examples:
+        std += standard_flops(shape, ex)
+        shared += shared_flops(shape, ex)
+    if shared == 0:
+        raise ValueError("ideal_speedup: empty workload")
+    return std / shared

@@ -1,0 +1,201 @@
+"""Bin packing: capacity, coverage, determinism, rank-even sharding, efficiency on paper-like profiles."""
+
+import time
+
+import numpy as np
+import pytest
+
+from prefixdpo.data.packing import (
+    RowTooLongError,
+    auto_pack_length,
+    even_packs_for_ranks,
+    group_into_batches,
+    packing_efficiency,
+    plan_packs,
+    shard_for_rank,
+)
+from prefixdpo.data.synthetic import PROFILES, format_profile_report, profile_report, synthetic_lengths
+
+
+def _random_lengths(n, seed=0, high=500):
+    return np.random.default_rng(seed).integers(1, high, size=n).tolist()
+
+
+def _check_plan(lengths, packs, pack_length):
+    assert all(sum(lengths[i] for i in p) <= pack_length for p in packs)
+    flat = sorted(i for p in packs for i in p)
+    assert flat == list(range(len(lengths)))  # every index exactly once
+
+
+# ---- auto_pack_length -------------------------------------------------------------------------------
+
+
+def test_auto_pack_length_quantile_rule():
+    lengths = list(range(1, 1001))  # q95 = 950.05 -> x1.1 = 1045.06 -> 1152
+    assert auto_pack_length(lengths) == 1152
+
+
+def test_auto_pack_length_never_below_longest_row():
+    lengths = [100] * 99 + [1000]  # the quantile rule alone gives 128: the 1000 row could not be placed
+    assert auto_pack_length(lengths) == 1024
+    assert auto_pack_length([100] * 100) == 128
+
+
+def test_auto_pack_length_bad_input():
+    with pytest.raises(ValueError, match="no rows"):
+        auto_pack_length([])
+    with pytest.raises(ValueError, match="row 2"):
+        auto_pack_length([5, 6, 0])
+
+
+# ---- plan_packs --------------------------------------------------------------------------------------
+
+
+def test_packs_fit_and_cover_every_row_once():
+    lengths = _random_lengths(2000)
+    for pack_length in (500, 640, 2048):
+        packs = plan_packs(lengths, pack_length, seed=3, epoch=1)
+        _check_plan(lengths, packs, pack_length)
+
+
+def test_best_fit_decreasing_small_case():
+    # 6 -> A(4 left); 5 -> B(5 left); 4 -> A (full); 3 -> B (2 left); 2 -> B (full): two full packs.
+    packs = plan_packs([6, 5, 4, 3, 2], 10, shuffle=False)
+    assert packs == [[0, 2], [1, 3, 4]]
+    assert packing_efficiency([6, 5, 4, 3, 2], packs, 10) == pytest.approx(1.0)
+
+
+def test_deterministic_per_seed_and_epoch_and_shuffled_across_epochs():
+    lengths = _random_lengths(500, seed=1)
+    a = plan_packs(lengths, 1024, seed=7, epoch=0)
+    assert a == plan_packs(lengths, 1024, seed=7, epoch=0)
+    b = plan_packs(lengths, 1024, seed=7, epoch=1)
+    c = plan_packs(lengths, 1024, seed=8, epoch=0)
+    assert a != b and a != c
+    for packs in (b, c):
+        _check_plan(lengths, packs, 1024)
+    # Shuffling must not cost efficiency: same number of packs either way.
+    assert abs(len(a) - len(b)) <= 1
+
+
+def test_no_shuffle_ignores_seed_and_epoch():
+    lengths = _random_lengths(300, seed=2)
+    assert plan_packs(lengths, 700, seed=1, epoch=0, shuffle=False) == plan_packs(
+        lengths, 700, seed=9, epoch=5, shuffle=False
+    )
+
+
+def test_row_too_long_names_index_and_lengths():
+    with pytest.raises(RowTooLongError, match=r"row 2: length 300 exceeds pack_length 256"):
+        plan_packs([10, 20, 300], 256)
+    assert issubclass(RowTooLongError, ValueError)
+    with pytest.raises(ValueError, match="row 1"):
+        plan_packs([10, -1], 256)
+
+
+def test_exact_fit_and_empty_input():
+    assert plan_packs([], 128) == []
+    packs = plan_packs([128, 64, 64], 128, shuffle=False)
+    assert sorted(map(sorted, packs)) == [[0], [1, 2]]
+
+
+def test_fast_for_100k_rows():
+    lengths = np.random.default_rng(0).lognormal(np.log(250), 0.5, 100_000).astype(int) + 1
+    t0 = time.perf_counter()
+    packs = plan_packs(lengths.tolist(), 4096, seed=0)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5.0, f"plan_packs took {elapsed:.2f}s for 100k rows"
+    assert packing_efficiency(lengths, packs, 4096) > 0.98
+
+
+def test_packing_efficiency_counts_empty_packs_as_waste():
+    assert packing_efficiency([3, 5], [[0, 1], []], 10) == pytest.approx(8 / 20)
+    assert packing_efficiency([3], [], 10) == 0.0
+
+
+# ---- ranks ---------------------------------------------------------------------------------------------
+
+
+def _simulate_ranks(packs, world_size):
+    even = even_packs_for_ranks(packs, world_size)
+    shards = [shard_for_rank(even, r, world_size) for r in range(world_size)]
+    return even, shards
+
+
+def test_seven_rows_four_ranks_even_and_lossless():
+    lengths = [100, 90, 80, 30, 20, 10, 5]
+    packs = plan_packs(lengths, 256, seed=0)
+    assert len(packs) % 4 != 0  # the case under test: uneven before
+    even, shards = _simulate_ranks(packs, 4)
+    assert len({len(s) for s in shards}) == 1
+    rows = sorted(i for s in shards for p in s for i in p)
+    assert rows == list(range(7))
+    _check_plan(lengths, even, 256)
+    assert [] not in even  # enough multi-row packs to split: no empty packs needed
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n_rows", [0, 1, 2, 5, 7, 13, 64])
+def test_even_packs_every_combination(n_rows, world_size):
+    lengths = _random_lengths(n_rows, seed=n_rows, high=200)
+    packs = plan_packs(lengths, 256, seed=1)
+    even, shards = _simulate_ranks(packs, world_size)
+    assert len(even) % world_size == 0
+    assert len(even) - len(packs) < world_size
+    assert len({len(s) for s in shards}) == 1
+    assert sorted(i for s in shards for p in s for i in p) == list(range(n_rows))
+    _check_plan(lengths, even, 256)
+    # Empty packs only when nothing multi-row was left to split.
+    if [] in even:
+        assert all(len(p) <= 1 for p in even)
+
+
+def test_even_packs_splits_largest_first_then_pads_with_empty():
+    packs = [[0], [1, 2, 3, 4], [5, 6]]
+    out = even_packs_for_ranks(packs, 4)
+    assert out == [[0], [1, 2], [3, 4], [5, 6]]
+    assert packs == [[0], [1, 2, 3, 4], [5, 6]]  # input untouched
+    assert even_packs_for_ranks([[0], [1], [2]], 4) == [[0], [1], [2], []]
+    assert even_packs_for_ranks([[0, 1, 2, 3, 4, 5, 6]], 4) == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+def test_shard_for_rank_strided_and_refuses_uneven():
+    packs = [[i] for i in range(6)]
+    assert shard_for_rank(packs, 1, 3) == [[1], [4]]
+    with pytest.raises(ValueError, match="even_packs_for_ranks"):
+        shard_for_rank(packs, 0, 4)
+    with pytest.raises(ValueError, match="bad rank"):
+        shard_for_rank(packs, 3, 3)
+
+
+def test_group_into_batches_keeps_remainder():
+    packs = [[i] for i in range(7)]
+    batches = group_into_batches(packs, 3)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    assert [p for b in batches for p in b] == packs
+    with pytest.raises(ValueError):
+        group_into_batches(packs, 0)
+
+
+# ---- efficiency on the paper's length profiles -----------------------------------------------------
+
+
+def test_hh_profile_efficiency_at_auto_length():
+    prompt, resp = synthetic_lengths(PROFILES["hh-rlhf"], 4000, seed=0)
+    lengths = (prompt + resp.sum(axis=1)).tolist()
+    pack_length = auto_pack_length(lengths)
+    packs = plan_packs(lengths, pack_length, seed=0)
+    _check_plan(lengths, packs, pack_length)
+    eff = packing_efficiency(lengths, packs, pack_length)
+    print(f"hh-rlhf: pack_length={pack_length} efficiency={eff:.3f}")
+    assert eff >= 0.9
+
+
+def test_profile_report_all_profiles():
+    rows = profile_report(n=2000)
+    print("\n" + format_profile_report(rows))
+    assert [r["profile"] for r in rows] == list(PROFILES)
+    for r in rows:
+        assert r["pack_length"] % 128 == 0 and r["pack_length"] >= r["quantile_length"]
+        assert r["efficiency"] >= 0.9, r
+        assert 0.0 < r["tokens_saved"] < 0.5  # K=2: the prompt is at most half of the unshared tokens
