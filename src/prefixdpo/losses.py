@@ -371,8 +371,10 @@ def orpo_loss(
     counts the prompt's tokens in that NLL; here the prompt is shared and not a target, and the
     paper's L_SFT is over the response only.
     """
-    avg_c = _per_token(policy_chosen_logps, chosen_lengths).float()
-    avg_r = _per_token(policy_rejected_logps, rejected_lengths).float()
+    # at least fp32, as TRL: log1mexp near 0 is ill-conditioned in half precision
+    dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
+    avg_c = _per_token(policy_chosen_logps, chosen_lengths).to(dtype)
+    avg_r = _per_token(policy_rejected_logps, rejected_lengths).to(dtype)
     log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
     odds_term = -alpha * F.logsigmoid(log_odds)
     return sft_loss(policy_chosen_logps, chosen_lengths) + odds_term.to(policy_chosen_logps.dtype)

@@ -1,0 +1,390 @@
+"""Tests for prefixdpo.losses.
+
+Two kinds of reference values:
+
+1. TRL's own code on the same tensors. ``DPOTrainer._compute_loss`` is a method, not a function, so
+   it is called unbound with a stub ``self`` (the attributes it reads) and a stub model whose output
+   carries per-token log-probs; reference log-probs go in precomputed, as TRL's
+   ``precompute_ref_log_probs`` path does. SimPO uses ``CPOTrainer.cpo_loss`` and ORPO
+   ``ORPOTrainer.odds_ratio_loss`` the same way. Values and gradients (w.r.t. the per-token
+   log-probs) must agree to fp32 tolerance (rtol 1e-5).
+2. Hand-computed values: formulas written out in plain ``math`` on scalars, independent of both
+   TRL and our torch code, for a few losses and for what TRL 1.16 does not have (cDPO smoothing,
+   BCO's running mean, the alias name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prefixdpo.losses import (
+    LOSSES,
+    REFERENCE_FREE,
+    BCORunningMean,
+    LossConfigError,
+    LossParams,
+    PairLogps,
+    combined_loss,
+    pair_rewards,
+    rewards,
+)
+
+trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
+DPOTrainer = trl_dpo.DPOTrainer
+
+RTOL, ATOL = 1e-5, 1e-6
+P, T = 6, 9  # pairs, max response length
+
+
+# ---------------------------------------------------------------------------------------------
+# A batch in TRL's layout: rows [chosen_0..P-1, rejected_0..P-1], per-token log-probs zero off mask
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (2 * P,), generator=g)
+    lengths[0], lengths[P] = T, 1  # a full-length chosen, a one-token rejected
+    shift_mask = (torch.arange(T)[None, :] < lengths[:, None]).long()  # [2P, T]
+    per_token = -(0.2 + 2.0 * torch.rand(2 * P, T, generator=g)) * shift_mask
+    per_token.requires_grad_(True)
+    # reference = policy plus noise, so log-ratios are O(1)-O(5) as in training
+    ref = (per_token.detach().sum(1) + 2.0 * torch.randn(2 * P, generator=g)).float()
+    # WPO's log sum_v p(v)^2 per token (any value <= 0 will do for the comparison)
+    log_sum_sq = -(0.5 + torch.rand(2 * P, T, generator=g))
+    return SimpleNamespace(lengths=lengths, shift_mask=shift_mask, per_token=per_token, ref=ref, log_sum_sq=log_sum_sq)
+
+
+def _ours_inputs(b, with_ref: bool = True, with_wpo: bool = False) -> PairLogps:
+    sums = b.per_token.sum(dim=1)
+    wpo = ((b.per_token.detach() - b.log_sum_sq) * b.shift_mask).sum(1) / b.lengths.clamp(min=1)
+    return PairLogps(
+        policy_chosen_logps=sums[:P],
+        policy_rejected_logps=sums[P:],
+        ref_chosen_logps=b.ref[:P] if with_ref else None,
+        ref_rejected_logps=b.ref[P:] if with_ref else None,
+        chosen_lengths=b.lengths[:P],
+        rejected_lengths=b.lengths[P:],
+        chosen_wpo_logps=wpo[:P] if with_wpo else None,
+        rejected_wpo_logps=wpo[P:] if with_wpo else None,
+    )
+
+
+def _trl_dpo_loss(b, loss_types, loss_weights=None, p: LossParams = LossParams()) -> torch.Tensor:
+    """TRL 1.16's DPOTrainer._compute_loss on batch ``b`` (scalar: sum_k w_k * mean_pairs(loss_k))."""
+    n_rows = 2 * P
+    outputs = SimpleNamespace(
+        log_probs=b.per_token,
+        entropy=torch.zeros(n_rows, T),
+        mean_logits=torch.zeros(n_rows, T),
+        is_top1=torch.zeros(n_rows, T, dtype=torch.bool),
+        log_sum_sq_probs=b.log_sum_sq,
+    )
+    model = SimpleNamespace(training=True)
+    model_call = lambda **kw: outputs  # noqa: E731
+    stub = SimpleNamespace(
+        model=model,
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type=p.f_divergence_type,
+        f_alpha_divergence_coef=p.f_alpha_divergence_coef,
+        loss_types=list(loss_types),
+        loss_weights=loss_weights or [1.0] * len(loss_types),
+        beta=p.beta,
+        label_smoothing=p.label_smoothing,
+        use_weighting=p.use_weighting,
+        args=SimpleNamespace(discopop_tau=p.discopop_tau),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    # completion_mask covers input_ids: one prompt token, then the response
+    completion_mask = torch.cat([torch.zeros(n_rows, 1, dtype=torch.long), b.shift_mask], dim=1)
+    inputs = {
+        "input_ids": torch.zeros(n_rows, T + 1, dtype=torch.long),
+        "attention_mask": torch.ones(n_rows, T + 1, dtype=torch.long),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": b.ref[:P],
+        "ref_rejected_logps": b.ref[P:],
+    }
+    return DPOTrainer._compute_loss(stub, model_call, inputs, return_outputs=False)
+
+
+def _assert_matches_trl(loss_types, loss_weights=None, p: LossParams = LossParams(), seed: int = 0):
+    b = _batch(seed)
+    want = _trl_dpo_loss(b, loss_types, loss_weights, p)
+    (want_grad,) = torch.autograd.grad(want, b.per_token)
+    got, _ = combined_loss(loss_types, loss_weights, _ours_inputs(b, with_wpo=p.use_weighting), p)
+    got = got.mean()
+    (got_grad,) = torch.autograd.grad(got, b.per_token)
+    assert torch.isfinite(want) and want.abs() > 1e-4, "degenerate reference value"
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    # off-mask entries are padding (TRL's sft masks them, its sums do not), so compare real tokens only
+    torch.testing.assert_close(got_grad * b.shift_mask, want_grad * b.shift_mask, rtol=RTOL, atol=ATOL)
+    assert got_grad.abs().sum() > 0
+
+
+TRL_TYPES = [
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Against TRL's code
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", TRL_TYPES)
+def test_each_loss_matches_trl(loss_type):
+    # sigmoid: TRL 1.16 ignores label_smoothing (cDPO is tested by hand below)
+    smoothing = 0.0 if loss_type == "sigmoid" else 0.1
+    _assert_matches_trl([loss_type], p=LossParams(beta=0.1, label_smoothing=smoothing))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "discopop", "apo_zero"])
+def test_other_beta_matches_trl(loss_type):
+    _assert_matches_trl([loss_type], p=LossParams(beta=0.5, discopop_tau=0.2), seed=1)
+
+
+@pytest.mark.parametrize("fdiv", ["forward_kl", "js_divergence", "alpha_divergence"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "robust", "sft"])
+def test_f_divergence_matches_trl(fdiv, loss_type):
+    smoothing = 0.0 if loss_type == "sigmoid" else 0.1  # TRL 1.16's sigmoid has no smoothing
+    p = LossParams(f_divergence_type=fdiv, label_smoothing=smoothing, f_alpha_divergence_coef=0.3)
+    _assert_matches_trl([loss_type], p=p)
+
+
+def test_weighted_combination_matches_trl():
+    # MPO-style mix, weights as in TRL's docs
+    _assert_matches_trl(["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], seed=2)
+
+
+# not sft: TRL 1.16 multiplies its expanded sft tensor in place and raises (ours works)
+@pytest.mark.parametrize("loss_types", [["sigmoid"], ["ipo", "discopop"], ["apo_down"]])
+def test_wpo_weighting_matches_trl(loss_types):
+    _assert_matches_trl(loss_types, p=LossParams(use_weighting=True), seed=3)
+
+
+def test_simpo_matches_trl_cpo():
+    cpo = pytest.importorskip("trl.experimental.cpo.cpo_trainer")
+    b = _batch(4)
+    x = _ours_inputs(b, with_ref=False)
+    p = LossParams(beta=2.0, simpo_gamma=1.0, label_smoothing=0.05)
+    stub = SimpleNamespace(
+        alpha=0.0, loss_type="simpo", beta=p.beta, simpo_gamma=p.simpo_gamma,
+        label_smoothing=p.label_smoothing, accelerator=SimpleNamespace(device=torch.device("cpu")),
+    )  # fmt: skip
+    avg_c = x.policy_chosen_logps / x.chosen_lengths
+    avg_r = x.policy_rejected_logps / x.rejected_lengths
+    want, want_rc, want_rr = cpo.CPOTrainer.cpo_loss(stub, avg_c, avg_r)
+    got, per_type = combined_loss(["simpo"], None, x, p)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    g_want = torch.autograd.grad(want.sum(), b.per_token)[0]
+    g_got = torch.autograd.grad(got.sum(), b.per_token)[0]
+    torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
+    # TRL's CPO logs beta * average log-prob as the reward: ours without a reference does the same
+    rc, rr = pair_rewards(x, p.beta)
+    torch.testing.assert_close(rc, want_rc, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(rr, want_rr, rtol=RTOL, atol=ATOL)
+
+
+def test_orpo_matches_trl_odds_ratio_plus_response_nll():
+    orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
+    b = _batch(5)
+    x = _ours_inputs(b, with_ref=False)
+    p = LossParams(orpo_alpha=0.25)
+    stub = SimpleNamespace(beta=p.orpo_alpha, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    avg_c = x.policy_chosen_logps / x.chosen_lengths
+    avg_r = x.policy_rejected_logps / x.rejected_lengths
+    odds_terms = orpo.ORPOTrainer.odds_ratio_loss(stub, avg_c, avg_r)[0]
+    # TRL ORPO: loss = NLL - mean(beta * logsigmoid(log_odds)); our NLL is TRL DPO's `sft` (response only)
+    want = _trl_dpo_loss(b, ["sft"]) - odds_terms.mean()
+    got = combined_loss(["orpo"], None, x, p)[0].mean()
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    g_want = torch.autograd.grad(want, b.per_token)[0] * b.shift_mask
+    g_got = torch.autograd.grad(got, b.per_token)[0] * b.shift_mask
+    torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Hand-computed values (plain math, scalars)
+# ---------------------------------------------------------------------------------------------
+
+# two pairs: (policy_c, policy_r, ref_c, ref_r, len_c, len_r)
+HAND = [(-10.0, -15.0, -12.0, -13.0, 4, 5), (-7.0, -6.0, -7.5, -5.0, 2, 3)]
+
+
+def _hand_inputs(with_ref=True) -> PairLogps:
+    col = lambda i: torch.tensor([row[i] for row in HAND], dtype=torch.float64)  # noqa: E731
+    return PairLogps(
+        col(0), col(1), col(2) if with_ref else None, col(3) if with_ref else None,
+        col(4).long(), col(5).long(),
+    )  # fmt: skip
+
+
+def _logsig(z: float) -> float:
+    return -math.log1p(math.exp(-z)) if z > 0 else z - math.log1p(math.exp(z))
+
+
+def test_hand_values_dpo_cdpo_ipo_hinge():
+    beta, eps = 0.1, 0.2
+    p = LossParams(beta=beta, label_smoothing=eps)
+    out = {n: combined_loss([n], None, _hand_inputs(), p)[0].tolist() for n in ["sigmoid", "ipo", "hinge"]}
+    for i, (pc, pr, rc, rr, lc, lr) in enumerate(HAND):
+        d = (pc - rc) - (pr - rr)
+        assert out["sigmoid"][i] == pytest.approx(-(1 - eps) * _logsig(beta * d) - eps * _logsig(-beta * d), rel=1e-12)
+        assert out["ipo"][i] == pytest.approx(((pc - rc) / lc - (pr - rr) / lr - 1 / (2 * beta)) ** 2, rel=1e-12)
+        assert out["hinge"][i] == pytest.approx(max(0.0, 1 - beta * d), abs=1e-12)
+    # first pair: d = 2 - (-2) = 4, plain DPO loss = log(1 + e^-0.4)
+    plain = combined_loss(["sigmoid"], None, _hand_inputs(), LossParams(beta=0.1))[0]
+    assert plain[0].item() == pytest.approx(0.5130152523999526, rel=1e-12)
+
+
+def test_hand_values_simpo_orpo_sft():
+    beta, gamma, lam = 2.0, 0.5, 0.1
+    p = LossParams(beta=beta, simpo_gamma=gamma, orpo_alpha=lam)
+    x = _hand_inputs(with_ref=False)
+    simpo = combined_loss(["simpo"], None, x, p)[0].tolist()
+    orpo = combined_loss(["orpo"], None, x, p)[0].tolist()
+    sft = combined_loss(["sft"], None, x, p)[0].tolist()
+    nll = -sum(r[0] for r in HAND) / sum(r[4] for r in HAND)  # per token over the batch
+    for i, (pc, pr, _, _, lc, lr) in enumerate(HAND):
+        ac, ar = pc / lc, pr / lr
+        assert simpo[i] == pytest.approx(-_logsig(beta * (ac - ar) - gamma), rel=1e-12)
+        log_odds = (ac - math.log(1 - math.exp(ac))) - (ar - math.log(1 - math.exp(ar)))
+        assert orpo[i] == pytest.approx(nll - lam * _logsig(log_odds), rel=1e-12)
+        assert sft[i] == pytest.approx(nll, rel=1e-12)
+
+
+def test_bco_running_mean_by_hand():
+    beta = 0.5
+    state = BCORunningMean()
+    x = _hand_inputs()
+    rewards_seen = []
+    for step in range(2):
+        got = combined_loss(["bco_pair"], None, x, LossParams(beta=beta), bco_state=state)[0].tolist()
+        rewards_seen += [beta * (r[0] - r[2]) for r in HAND] + [beta * (r[1] - r[3]) for r in HAND]
+        delta = sum(rewards_seen) / len(rewards_seen)  # mean of all rewards so far, this batch included
+        assert state.mean == pytest.approx(delta, rel=1e-12) and state.count == 4 * (step + 1)
+        for i, (pc, pr, rc, rr, _, _) in enumerate(HAND):
+            want = -_logsig(beta * (pc - rc) - delta) - _logsig(-(beta * (pr - rr) - delta))
+            assert got[i] == pytest.approx(want, rel=1e-12)
+    restored = BCORunningMean()
+    restored.load_state_dict(state.state_dict())
+    assert restored == state
+
+
+def test_aot_pair_is_alias_of_aot_unpaired():
+    x, p = _hand_inputs(), LossParams(label_smoothing=0.1)
+    a, per_a = combined_loss(["aot_pair"], None, x, p)
+    b, _ = combined_loss(["aot_unpaired"], None, x, p)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert list(per_a) == ["aot_unpaired"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Combination, gradients, rewards, errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_types_inputs(requires_grad=True):
+    b = _batch(6)
+    x = _ours_inputs(b, with_wpo=True)
+    return b, x
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSSES))
+def test_gradients_finite_and_nonzero(loss_type):
+    b, x = _all_types_inputs()
+    loss, _ = combined_loss([loss_type], None, x, LossParams(label_smoothing=0.1))
+    assert loss.shape == (P,)
+    (grad,) = torch.autograd.grad(loss.sum(), b.per_token)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "nca_pair", "bco_pair", "aot", "simpo"])
+def test_logistic_losses_stable_at_extreme_margins(loss_type):
+    pc = torch.tensor([-1.0, -5000.0], requires_grad=True)
+    pr = torch.tensor([-5000.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-100.0, -100.0])
+    x = PairLogps(pc, pr, ref, ref, torch.tensor([10, 10]), torch.tensor([10, 10]))
+    loss, _ = combined_loss([loss_type], None, x, LossParams(label_smoothing=0.1))
+    grads = torch.autograd.grad(loss.sum(), [pc, pr])
+    assert torch.isfinite(loss).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_weighted_sum_equals_sum_of_weighted_parts():
+    _, x = _all_types_inputs()
+    names, weights = ["sigmoid", "sft", "apo_zero", "simpo"], [0.7, 0.3, 2.0, 0.5]
+    total, per_type = combined_loss(names, weights, x, LossParams())
+    assert list(per_type) == names
+    manual = sum(w * combined_loss([n], None, x, LossParams())[0] for n, w in zip(names, weights))
+    torch.testing.assert_close(total, manual, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(total, sum(w * per_type[n] for n, w in zip(names, weights)), rtol=1e-6, atol=1e-7)
+
+
+def test_rewards():
+    x = _hand_inputs()
+    rc = rewards(x.policy_chosen_logps, x.ref_chosen_logps, 0.1)
+    assert rc.tolist() == pytest.approx([0.1 * 2.0, 0.1 * 0.5], rel=1e-12)
+    assert not rc.requires_grad
+    free = rewards(x.policy_chosen_logps, None, 2.0, x.chosen_lengths)
+    assert free.tolist() == pytest.approx([2.0 * -10.0 / 4, 2.0 * -7.0 / 2], rel=1e-12)
+    chosen, rejected = pair_rewards(x, 0.1)
+    assert rejected.tolist() == pytest.approx([0.1 * -2.0, 0.1 * -1.0], rel=1e-12)
+    with pytest.raises(LossConfigError, match="lengths"):
+        rewards(x.policy_chosen_logps, None, 0.1)
+
+
+def test_reference_free_set():
+    assert REFERENCE_FREE == {"simpo", "orpo"}
+    for name in ["simpo", "orpo", "sft"]:
+        combined_loss([name], None, _hand_inputs(with_ref=False), LossParams())  # no error
+
+
+def test_errors():
+    x, no_ref = _hand_inputs(), _hand_inputs(with_ref=False)
+    with pytest.raises(LossConfigError, match=r"unknown loss type 'dpo'; known: .*sigmoid.*simpo"):
+        combined_loss(["dpo"], None, x, LossParams())
+    with pytest.raises(ValueError, match="needs reference log-probs"):
+        combined_loss(["sigmoid"], None, no_ref, LossParams())
+    with pytest.raises(ValueError, match="loss_weights has 1 entries but loss_types has 2"):
+        combined_loss(["sigmoid", "sft"], [1.0], x, LossParams())
+    no_len = PairLogps(x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps)
+    with pytest.raises(ValueError, match="'ipo' needs chosen_lengths"):
+        combined_loss(["ipo"], None, no_len, LossParams())
+    with pytest.raises(ValueError, match="only defined for"):
+        combined_loss(["nca_pair"], None, x, LossParams(f_divergence_type="forward_kl"))
+    with pytest.raises(ValueError, match="unknown f_divergence_type"):
+        combined_loss(["sigmoid"], None, x, LossParams(f_divergence_type="kl"))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        combined_loss(["exo_pair"], None, x, LossParams(label_smoothing=0.0))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        combined_loss(["robust"], None, x, LossParams(label_smoothing=0.5))
+    with pytest.raises(ValueError, match="sorts pairs"):
+        combined_loss(["aot"], None, x, LossParams(use_weighting=True))
+    with pytest.raises(ValueError, match="wpo"):
+        combined_loss(["sigmoid"], None, x, LossParams(use_weighting=True))
+    with pytest.raises(ValueError, match="empty"):
+        combined_loss([], None, x, LossParams())
+
+
+def test_wpo_weighting_by_hand_including_sft():
+    x = _hand_inputs()
+    x.chosen_wpo_logps = torch.tensor([-0.5, -1.0], dtype=torch.float64)
+    x.rejected_wpo_logps = torch.tensor([-0.25, -2.0], dtype=torch.float64)
+    weights = [math.exp(-0.75), math.exp(-3.0)]
+    plain = combined_loss(["sft", "hinge"], None, x, LossParams())[1]
+    total, weighted = combined_loss(["sft", "hinge"], [1.0, 2.0], x, LossParams(use_weighting=True))
+    for name in ["sft", "hinge"]:
+        assert weighted[name].tolist() == pytest.approx([v * w for v, w in zip(plain[name].tolist(), weights)], rel=1e-12)
+    torch.testing.assert_close(total, weighted["sft"] + 2.0 * weighted["hinge"])
