@@ -295,7 +295,7 @@ def test_aot_pair_is_alias_of_aot_unpaired():
 # ---------------------------------------------------------------------------------------------
 
 
-def _all_types_inputs(requires_grad=True):
+def _all_types_inputs():
     b = _batch(6)
     x = _ours_inputs(b, with_wpo=True)
     return b, x
@@ -386,5 +386,6 @@ def test_wpo_weighting_by_hand_including_sft():
     plain = combined_loss(["sft", "hinge"], None, x, LossParams())[1]
     total, weighted = combined_loss(["sft", "hinge"], [1.0, 2.0], x, LossParams(use_weighting=True))
     for name in ["sft", "hinge"]:
-        assert weighted[name].tolist() == pytest.approx([v * w for v, w in zip(plain[name].tolist(), weights)], rel=1e-12)
+        want = [v * w for v, w in zip(plain[name].tolist(), weights)]
+        assert weighted[name].tolist() == pytest.approx(want, rel=1e-12)
     torch.testing.assert_close(total, weighted["sft"] + 2.0 * weighted["hinge"])
