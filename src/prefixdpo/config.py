@@ -1,0 +1,267 @@
+"""`PrefixDPOConfig`: training options, named like TRL's `DPOConfig` wherever the meaning is the same.
+
+It extends `transformers.TrainingArguments`, so every Trainer option (learning rate, schedules,
+gradient accumulation, bf16, checkpointing, `report_to`, DDP/FSDP/DeepSpeed) works unchanged. The
+prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
+`logprob_chunk_size`, `ref_cache_dir`.
+
+`parse_train_args(["config.yaml", "--beta", "0.05"])` reads a YAML file and applies command-line
+overrides on top of it, returning the config plus the model and dataset options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from prefixdpo.losses import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossConfigError, LossParams
+
+ATTENTION_CHOICES = ("auto", "sdpa", "flex")
+
+
+@dataclass
+class PrefixDPOConfig(TrainingArguments):
+    """Options of `PrefixDPOTrainer` (TRL `DPOConfig` names + prefix-sharing options + TrainingArguments)."""
+
+    # ---- TrainingArguments defaults changed for preference training on small machines ----
+    output_dir: str | None = field(default="prefixdpo-output", metadata={"help": "Where checkpoints and the model go."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False: batches are not model kwargs."})
+    report_to: None | str | list[str] = field(
+        default="none", metadata={"help": "Integrations to report to (tensorboard, wandb, trackio, ...; 'none')."}
+    )
+    # Our head path runs outside the DDP-wrapped forward; a search for unused parameters would mark the
+    # LM head unused and then see its gradient arrive twice. Every parameter is used in every step.
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "See DDP; keep False."})
+
+    # ---- TRL DPOConfig names ----
+    beta: float = field(default=0.1, metadata={"help": "DPO beta (IPO's tau, SimPO's beta)."})
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": f"Loss type(s), combined with loss_weights. One or more of {sorted(set(LOSSES) | set(LOSS_ALIASES))}."},
+    )
+    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss_type (default 1 each)."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "cDPO/robust/EXO epsilon."})
+    f_divergence_type: str = field(default="reverse_kl", metadata={"help": "f-DPO divergence."})
+    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "alpha of the alpha-divergence."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP temperature."})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin (TRL CPOConfig name)."})
+    orpo_alpha: float = field(default=0.1, metadata={"help": "ORPO lambda weighting the odds-ratio term."})
+    rpo_alpha: float | None = field(default=None, metadata={"help": "RPO: adds the chosen NLL ('sft') with this weight."})
+    max_length: int | None = field(default=1024, metadata={"help": "Max tokens of a prefix-shared row (prompt + all responses)."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Max prompt tokens."})
+    truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end (cut the prompt start) or keep_start."})
+    precompute_ref_log_probs: bool = field(
+        default=False, metadata={"help": "Compute reference log-probs once before training, cached on disk."}
+    )
+    precompute_ref_batch_size: int | None = field(default=None, metadata={"help": "Examples per precompute batch."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad unpacked lines to a multiple of this."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with custom code (off unless asked)."})
+
+    # ---- prefix sharing ----
+    prefix_sharing: bool = field(default=True, metadata={"help": "Prompt once + all responses in one row."})
+    packing: bool = field(default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
+    pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
+    attention: str = field(default="auto", metadata={"help": "Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex."})
+    logprob_chunk_size: int = field(default=1024, metadata={"help": "Response tokens per LM-head chunk."})
+    ref_cache_dir: str | None = field(
+        default=None, metadata={"help": "Cache of precomputed reference log-probs (default ~/.cache/prefixdpo/ref_logps)."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        self.loss_type = list(self.loss_type)
+        super().__post_init__()
+        if not self.activation_checkpointing_kwargs:
+            # Non-reentrant checkpointing works with frozen inputs (LoRA) and with our custom mask.
+            self.activation_checkpointing_kwargs = {"use_reentrant": False}
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        if not self.loss_type:
+            raise LossConfigError("loss_type is empty")
+        for name in self.loss_type:
+            if LOSS_ALIASES.get(name, name) not in LOSSES:
+                raise LossConfigError(f"unknown loss_type {name!r}; known: {', '.join(sorted(set(LOSSES) | set(LOSS_ALIASES)))}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise LossConfigError(f"loss_weights has {len(self.loss_weights)} entries for {len(self.loss_type)} loss types")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+        if str(self.pack_length) != "auto":
+            try:
+                self.pack_length = int(self.pack_length)
+            except ValueError:
+                raise ValueError(f"pack_length={self.pack_length!r}: expected 'auto' or a positive integer") from None
+            if self.pack_length <= 0:
+                raise ValueError(f"pack_length={self.pack_length}: must be positive")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
+        if self.beta <= 0:
+            raise ValueError(f"beta={self.beta}: must be positive")
+
+    # ---- derived ----
+    @property
+    def loss_types(self) -> list[str]:
+        """Loss names including RPO's NLL term when rpo_alpha is set."""
+        names = list(self.loss_type)
+        if self.rpo_alpha is not None and "sft" not in names:
+            names.append("sft")
+        return names
+
+    @property
+    def loss_weight_list(self) -> list[float]:
+        weights = list(self.loss_weights) if self.loss_weights is not None else [1.0] * len(self.loss_type)
+        if self.rpo_alpha is not None and "sft" not in self.loss_type:
+            weights.append(float(self.rpo_alpha))
+        return weights
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(LOSS_ALIASES.get(n, n) not in NEEDS_NO_REFERENCE for n in self.loss_types)
+
+    def loss_params(self) -> LossParams:
+        return LossParams(
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            simpo_gamma=self.simpo_gamma,
+            orpo_alpha=self.orpo_alpha,
+            discopop_tau=self.discopop_tau,
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+        )
+
+    def resolved_ref_cache_dir(self) -> str:
+        if self.ref_cache_dir:
+            return self.ref_cache_dir
+        base = os.environ.get("PREFIXDPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "prefixdpo")
+        return os.path.join(base, "ref_logps")
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train and how (LoRA)."""
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "HF model name or local path (default: the demo model)."})
+    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Separate reference model (default: a frozen copy)."})
+    dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt (default: all linear)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA (CUDA + bitsandbytes only)."})
+
+    def peft_config(self):
+        """A `peft.LoraConfig` when lora_r > 0, else None."""
+        if self.lora_r <= 0:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules or "all-linear",
+            task_type="CAUSAL_LM",
+        )
+
+
+@dataclass
+class DataArguments:
+    """Which dataset, and how records become examples (the rest of `DataOptions` comes from the config)."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "HF dataset name, or a .jsonl/.json/.parquet path (default: the demo data)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split (TRL name)."})
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
+    max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
+    pairs_policy: str = field(default="best_vs_worst", metadata={"help": "Multi-response records: best_vs_worst | best_vs_each | all_pairs."})
+    overlong: str = field(default="truncate", metadata={"help": "Rows over max_length: truncate or drop."})
+    invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
+
+
+def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
+    """The data pipeline's `DataOptions` from the config (lengths, truncation) and dataset arguments."""
+    from prefixdpo.data.prepare import DataOptions
+
+    data = data or DataArguments()
+    return DataOptions(
+        max_length=config.max_length,
+        max_prompt_length=config.max_prompt_length,
+        truncation_mode=config.truncation_mode,
+        overlong=data.overlong,
+        invalid=data.invalid,
+        pairs_policy=data.pairs_policy,
+        max_samples=data.max_samples,
+        split=data.dataset_train_split,
+        eval_split=data.dataset_test_split,
+        dataset_config=data.dataset_config,
+        seed=config.seed,
+    )
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        values = yaml.safe_load(fh) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of option: value at the top level")
+    return values
+
+
+def _yaml_to_argv(values: dict[str, Any], known: set[str], path: str) -> list[str]:
+    argv: list[str] = []
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"{path}: unknown option {key!r}")
+        if value is None:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if isinstance(value, dict):
+            import json
+
+            items = [json.dumps(value)]
+        argv.append(f"--{name}")
+        argv.extend(str(v) for v in items)
+    return argv
+
+
+def _underscored(arg: str) -> str:
+    """`--lora-r=8` -> `--lora_r=8` (the option name only; values keep their dashes)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+def parse_train_args(argv: list[str] | None = None) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
+    """Parse `[config.yaml] [--option value ...]`: YAML values first, command-line overrides after.
+
+    Options may be spelled with dashes or underscores (`--lora-r 8` == `--lora_r 8`). Unknown options
+    raise ValueError naming them.
+    """
+    argv = list(argv or [])
+    parser = HfArgumentParser((PrefixDPOConfig, ModelArguments, DataArguments))
+    known = {f.name for dc in (PrefixDPOConfig, ModelArguments, DataArguments) for f in fields(dc) if f.init}
+    base: list[str] = []
+    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
+        path = argv.pop(0)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        base = _yaml_to_argv(_load_yaml(path), known, path)
+    overrides = [_underscored(a) for a in argv]
+    for a in overrides:
+        if a.startswith("--") and a[2:].split("=", 1)[0] not in known:
+            raise ValueError(f"unknown option {a.split('=', 1)[0]!r}")
+    # argparse keeps the last value given, so overrides placed after the YAML values win.
+    config, model_args, data_args, rest = parser.parse_args_into_dataclasses(
+        args=base + overrides, return_remaining_strings=True
+    )
+    if rest:
+        raise ValueError(f"unexpected arguments: {' '.join(rest)}")
+    return config, model_args, data_args
