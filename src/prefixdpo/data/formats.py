@@ -188,6 +188,10 @@ def parse_record(index: int, record, pairs_policy: str = "best_vs_worst") -> Par
     if _present(record, "completions"):
         return _parse_multi(index, record, pairs_policy)
     if not (_present(record, "chosen") or _present(record, "rejected")):
+        if _present(record, "prompt"):
+            raise InvalidRecordError(
+                index, MISSING_FIELD, "missing fields 'chosen' and 'rejected' (or 'completions' with 'scores'/'ranks')"
+            )
         raise InvalidRecordError(
             index, UNKNOWN_FORMAT,
             f"no preference fields (found {sorted(record)}); expected prompt/chosen/rejected, chosen/rejected, "

@@ -75,9 +75,10 @@ class DataReport:
     skipped:  invalid records by reason (only with invalid="skip").
     dropped:  valid examples dropped for length (overlong="drop", or a prompt that fills max_length).
     truncated: kept examples that were cut to the limits.
-    boundary_adjusted: kept examples whose prompt's last tokens moved into the responses because the
-              tokenizer merges across the boundary (or the chat template renders the prompt differently).
-    boundary_tokens: total prompt tokens so moved.
+    boundary_adjusted: kept examples whose prompt, tokenized alone, ends differently from the full sequences
+              (a BPE merge across the boundary, or a chat template rendering the prompt alone differently);
+              the prompt is cut where they diverge and the responses carry the merged tokens.
+    boundary_tokens: total prompt tokens so cut.
     unused_responses: multi-response completions no pair of the policy uses (left out of the rows).
     formats:  kept examples by record format.
     """
@@ -111,8 +112,9 @@ class DataReport:
             parts.append(f"Truncated {self.truncated}.")
         if self.boundary_adjusted:
             parts.append(
-                f"{self.boundary_adjusted} prompts ended inside a token merge with the response; "
-                f"{self.boundary_tokens} prompt tokens were moved into the responses so ids match a full tokenization."
+                f"{self.boundary_adjusted} prompts tokenize differently alone than followed by a response (a token "
+                f"merge across the boundary, or the chat template): they were cut where the sequences diverge "
+                f"({self.boundary_tokens} tokens), so ids equal a full tokenization."
             )
         if self.unused_responses:
             parts.append(f"{self.unused_responses} completions were not used by the pairs policy.")

@@ -1,0 +1,139 @@
+"""Every invalid-record case: one clear line naming the record, raised under invalid="error", counted under "skip"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prefixdpo.data.example import Example
+from prefixdpo.data.prepare import DataOptions, prepare_examples
+from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from prefixdpo.data.validation import InvalidRecordError, SkipLog, enforce_row_limit
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def m(role, content):
+    return {"role": role, "content": content}
+
+
+GOOD = {"prompt": "Question: capital of France? Answer:", "chosen": " Paris.", "rejected": " Rome."}
+U, A, B = m("user", "hello"), m("assistant", "hi"), m("assistant", "go away")
+
+CASES = [  # (bad record, reason, expected message after "record 1: ")
+    ({"prompt": "p", "chosen": "a"}, "missing_field", "missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": None}, "missing_field", "missing field 'rejected'"),
+    ({"prompt": "p", "chosen": 3, "rejected": "b"}, "wrong_type", "field 'chosen' must be a string, got int"),
+    ({"prompt": 7, "chosen": "a", "rejected": "b"}, "wrong_type", "field 'prompt' must be a string, got int"),
+    ({"prompt": [U], "chosen": [{"role": "assistant"}], "rejected": [B]}, "wrong_type",
+     "chosen[0] must be a dict with 'role' and 'content', got dict"),
+    ({"prompt": [U], "chosen": "a", "rejected": "b"}, "wrong_type",
+     "prompt is a conversation but chosen, rejected are strings: use one form for all fields"),
+    (["p", "a", "b"], "wrong_type", "record must be a mapping of fields, got list"),
+    ({"text": "hello"}, "unknown_format", "no preference fields (found ['text']); expected "
+     "prompt/chosen/rejected, chosen/rejected, or prompt/completions/scores|ranks"),
+    ({"prompt": "p"}, "missing_field", "missing fields 'chosen' and 'rejected' (or 'completions' with 'scores'/'ranks')"),
+    ({"prompt": "  ", "chosen": "a", "rejected": "b"}, "empty_prompt", "prompt is empty"),
+    ({"prompt": [], "chosen": [A], "rejected": [B]}, "empty_prompt", "prompt is empty"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "empty_response", "chosen is empty"),
+    ({"prompt": [U], "chosen": [A], "rejected": [m("assistant", "")]}, "empty_response", "rejected is empty"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "identical_responses", "chosen and rejected are identical"),
+    ({"chosen": [U, A], "rejected": [U, A]}, "identical_responses", "chosen and rejected are identical"),
+    ({"chosen": [U, A], "rejected": [m("user", "bye"), B]}, "prompt_mismatch",
+     "chosen and rejected share no leading message, so they have no common prompt"),
+    ({"chosen": [U, A, m("user", "x"), A], "rejected": [U, A, m("user", "y"), B]}, "prompt_mismatch",
+     "chosen and rejected differ at message 2, a 'user' message: their prompts differ"),
+    ({"chosen": [U, A], "rejected": [U]}, "empty_response", "rejected has no message after the shared prompt"),
+    ({"chosen": "Q: a", "rejected": "Q: b"}, "implicit_text",
+     "chosen and rejected are strings with no 'prompt' field: where the prompt ends is ambiguous; add a 'prompt'"),
+    ({"prompt": "p", "chosen": "ok\udc80", "rejected": "b"}, "not_utf8",
+     "field 'chosen' is not valid UTF-8 (lone surrogate at character 2)"),
+    ({"prompt": b"\xff\xfeq", "chosen": "a", "rejected": "b"}, "not_utf8", "field 'prompt' is not valid UTF-8 (byte 0)"),
+    ({"prompt": [m("user", "\ud800")], "chosen": [A], "rejected": [B]}, "not_utf8",
+     "field 'prompt[0].content' is not valid UTF-8 (lone surrogate at character 0)"),
+    ({"prompt": "p", "completions": ["a", "b", "c"], "scores": [1, 2]}, "scores_mismatch",
+     "field 'scores' has 2 entries but there are 3 completions"),
+    ({"prompt": "p", "completions": ["a", "b"], "ranks": [1, 2, 3]}, "scores_mismatch",
+     "field 'ranks' has 3 entries but there are 2 completions"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": [1, "x"]}, "wrong_type", "scores[1] must be a number, got str"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": [1, math.nan]}, "wrong_type",
+     "scores[1] is nan, expected a finite number"),
+    ({"prompt": "p", "completions": ["a", "b"]}, "missing_field", "missing field 'scores' or 'ranks'"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": [1, 2], "ranks": [2, 1]}, "wrong_type",
+     "has both 'scores' and 'ranks'"),
+    ({"completions": ["a", "b"], "scores": [1, 2]}, "missing_field", "missing field 'prompt' (required with 'completions')"),
+    ({"prompt": "p", "completions": ["a"], "scores": [1]}, "no_preference", "needs at least 2 completions, got 1"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": [2, 2]}, "no_preference",
+     "all completions are tied, so there is no preference"),
+    ({"prompt": "p", "completions": ["a", "b", "a"], "scores": [3, 2, 1]}, "identical_responses",
+     "completions 0 and 2 are identical but ranked differently"),
+]
+
+
+@pytest.mark.parametrize("bad,reason,message", CASES, ids=[f"{i}-{c[1]}" for i, c in enumerate(CASES)])
+def test_invalid_record_error_policy(tok, bad, reason, message):
+    with pytest.raises(InvalidRecordError) as info:
+        prepare_examples([GOOD, bad, GOOD], tok, DataOptions(invalid="error"))
+    err = info.value
+    assert str(err) == f"record 1: {message}"
+    assert "\n" not in str(err) and isinstance(err, ValueError)
+    assert (err.index, err.reason) == (1, reason)
+
+
+@pytest.mark.parametrize("bad,reason,message", CASES, ids=[f"{i}-{c[1]}" for i, c in enumerate(CASES)])
+def test_invalid_record_skip_policy(tok, bad, reason, message):
+    data = prepare_examples([GOOD, bad, GOOD], tok, DataOptions(invalid="skip"))
+    rep = data.report
+    assert (rep.loaded, rep.kept, dict(rep.skipped)) == (3, 2, {reason: 1})
+    assert [ex.source_index for ex in data.examples] == [0, 2]
+    assert f"record 1: {message}" in rep.summary()
+
+
+def test_valid_utf8_bytes_are_decoded(tok):
+    rec = {"prompt": "Question:".encode(), "chosen": " Paris.".encode(), "rejected": " Rome."}
+    (ex,) = prepare_examples([rec], tok).examples
+    assert list(ex.prompt_ids) + list(ex.response_ids[0]) == tok("Question: Paris." + tok.eos_token)["input_ids"]
+
+
+def test_many_skips_counted_by_reason(tok):
+    records = [GOOD, {"prompt": "p"}, {"prompt": "p", "chosen": "a", "rejected": "a"}, {"prompt": "p"}, GOOD]
+    rep = prepare_examples(records, tok, DataOptions(invalid="skip")).report
+    assert dict(rep.skipped) == {"missing_field": 2, "identical_responses": 1}
+    assert rep.loaded == rep.kept + rep.skipped_total + rep.dropped == 5
+
+
+def test_conversational_data_needs_a_chat_template():
+    t = build_tiny_tokenizer(chat_template=False)
+    with pytest.raises(ValueError, match="tokenizer has no chat template"):
+        prepare_examples([{"prompt": [U], "chosen": [A], "rejected": [B]}], t)
+
+
+def test_chat_template_failure_is_a_record_error(tok):
+    t = build_tiny_tokenizer()
+    t.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}x"
+    bad = {"prompt": [m("system", "s")], "chosen": [A], "rejected": [B]}
+    with pytest.raises(InvalidRecordError, match=r"^record 0: chat template failed: first message must be user$"):
+        prepare_examples([bad], t)
+    rep = prepare_examples([bad], t, DataOptions(invalid="skip")).report
+    assert dict(rep.skipped) == {"chat_template": 1}
+
+
+def test_bad_options_are_refused():
+    for kw in ({"invalid": "ignore"}, {"overlong": "cut"}, {"truncation_mode": "middle"},
+               {"pairs_policy": "random"}, {"max_length": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            DataOptions(**kw)
+
+
+def test_enforce_row_limit():
+    exs = [Example((1, 2), ((3,), (4, 5)), source_index=i) for i in range(2)] + [
+        Example((1,) * 10, ((3,), (4,)), source_index=7)]
+    with pytest.raises(InvalidRecordError, match=r"^record 7: row of 12 tokens does not fit the limit of 8$"):
+        enforce_row_limit(exs, 8)
+    log = SkipLog()
+    kept = enforce_row_limit(exs, 8, invalid="skip", log=log)
+    assert [e.source_index for e in kept] == [0, 1] and dict(log.counts) == {"too_long": 1}
