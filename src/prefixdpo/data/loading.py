@@ -115,10 +115,10 @@ def load_records(
     """
     if max_samples is not None and max_samples < 0:
         raise ValueError(f"max_samples must be >= 0, got {max_samples}")
-    if isinstance(source, dict) and not _looks_like_record(source):  # {split: source}
+    if isinstance(source, dict) and _splits(source) is None and not _looks_like_record(source):  # {split: source}
         name = split or "train"
         if name not in source:
-            raise ValueError(f"no split {name!r} among the given sources (available: {', '.join(source)})")
+            raise ValueError(f"no split {name!r} (available: {', '.join(source)})")
         return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples)
     if isinstance(source, (str, Path)):
         path = _local_path(str(source))
