@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError) as err:
+    except (UserError, ValueError, OSError) as err:
         # Bad input is reported as one line naming the problem, never as a traceback.
         print(f"prefixdpo {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -58,6 +58,10 @@ def check_model_supported(model, backend: str) -> None:
             f"{name} does not dispatch attention through transformers' AttentionInterface; "
             "prefixdpo cannot give it the prefix-sharing mask"
         )
+    if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
+        raise UnsupportedModelError(
+            f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA)"
+        )
     if backend == "sdpa" and not getattr(base, "_supports_sdpa", False):
         raise UnsupportedModelError(f"{name} does not support SDPA attention")
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
@@ -70,10 +74,6 @@ def check_model_supported(model, backend: str) -> None:
         )
     if getattr(cfg, "model_type", "") in _ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False):
         raise UnsupportedModelError(f"{name} uses ALiBi position bias, which ignores position ids")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
-        raise UnsupportedModelError(
-            f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA)"
-        )
     if "position_ids" not in inspect.signature(base.forward).parameters:
         raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
 

@@ -53,12 +53,15 @@ def dpo_loss(logps: torch.Tensor, better: torch.Tensor, worse: torch.Tensor, bet
 @dataclass
 class VerifyResult:
     case: str
-    logp_diff: float
-    grad_diff: float
-    grad_scale: float
+    logp_diff: float  # max |shared - separate| over responses (log-prob sums)
+    logp_scale: float  # largest |separate log-prob sum|
+    grad_diff: float  # max |shared - separate| over all gradient entries
+    grad_scale: float  # largest |separate gradient entry|
 
     def ok(self, logp_tol: float, grad_tol: float) -> bool:
-        return self.logp_diff <= logp_tol and self.grad_diff <= grad_tol * max(1.0, self.grad_scale)
+        """Both diffs within tolerance, relative to max(1, scale) so long responses are not penalised."""
+        return (self.logp_diff <= logp_tol * max(1.0, self.logp_scale)
+                and self.grad_diff <= grad_tol * max(1.0, self.grad_scale))
 
 
 def _grads(model) -> torch.Tensor:
@@ -96,6 +99,7 @@ def compare(
     return VerifyResult(
         case=case,
         logp_diff=(shared.detach() - reference.detach()).abs().max().item(),
+        logp_scale=reference.detach().abs().max().item(),
         grad_diff=(shared_grads - reference_grads).abs().max().item(),
         grad_scale=reference_grads.abs().max().item(),
     )

@@ -1,0 +1,124 @@
+"""`prefixdpo verify`: check prefix sharing against separate standard passes on your own model."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PROMPTS = [
+    "The committee met on Tuesday to review the budget. After a long discussion about priorities,",
+    "Question: What is the capital of France, and why did it become the capital?\nAnswer:",
+    "Here is a short story about a lighthouse keeper who finds a message in a bottle.",
+]
+DEFAULT_RESPONSES = [
+    " they agreed to fund the library first.",
+    " nobody could agree, so they postponed the vote.",
+    " Paris, because of its central position and royal history.",
+    " Lyon, since it is the largest city in France.",
+    " The keeper opened it and read a map.",
+    " It was empty.",
+    " The message was from his own childhood.",
+    " Nothing happened that day or the next.",
+]
+
+DTYPE_TOLERANCES = {  # (logp relative tolerance, gradient tolerance relative to the largest gradient entry)
+    "float32": (1e-5, 1e-4),
+    "bfloat16": (5e-2, 5e-2),
+    "float16": (1e-2, 1e-2),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check prefix-shared log-probs and gradients against separate passes on your model",
+        description=(
+            "Builds prefix-shared and packed rows (K=2 and K=4) from built-in or given text, and compares "
+            "per-response log-probs and the gradient of a DPO loss against separate standard forward passes. "
+            "Exits non-zero if a difference is above tolerance."
+        ),
+    )
+    p.add_argument("--model", required=True, help="model directory or hub name (AutoModelForCausalLM)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_TOLERANCES), help="compute dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"], help="backend to check (default sdpa)")
+    p.add_argument("--logp-tol", type=float, default=None, help="relative tolerance on per-response log-prob sums")
+    p.add_argument("--grad-tol", type=float, default=None, help="tolerance on gradients, relative to the largest entry")
+    p.add_argument("--text-file", default=None,
+                   help="file of lines 'prompt<TAB>response<TAB>response...' to use instead of the built-in text")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
+    p.add_argument("--no-restart-positions", action="store_true",
+                   help=argparse.SUPPRESS)  # self-test: a deliberately broken layout must fail the check
+    p.set_defaults(func=run)
+
+
+def _examples(tokenizer, text_file: str | None):
+    from prefixdpo.data.example import Example
+
+    if text_file:
+        groups = []
+        with open(text_file, encoding="utf-8") as fh:
+            for n, line in enumerate(fh):
+                parts = [x for x in line.rstrip("\n").split("\t") if x]
+                if len(parts) < 3:
+                    raise ValueError(f"{text_file} line {n + 1}: needs a prompt and at least 2 responses, tab-separated")
+                groups.append((parts[0], parts[1:]))
+    else:
+        groups = [
+            (DEFAULT_PROMPTS[0], DEFAULT_RESPONSES[0:2]),
+            (DEFAULT_PROMPTS[1], DEFAULT_RESPONSES[2:4]),
+            (DEFAULT_PROMPTS[2], DEFAULT_RESPONSES[4:8]),  # K = 4
+        ]
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    examples = []
+    for i, (prompt, responses) in enumerate(groups):
+        pairs = [(0, k) for k in range(1, len(responses))]
+        examples.append(Example(bos + enc(prompt), [enc(r) for r in responses], pairs=pairs, source_index=i))
+    return examples
+
+
+def run(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prefixdpo.verify import compare
+
+    dtype = getattr(torch, args.dtype)
+    logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
+    logp_tol = args.logp_tol if args.logp_tol is not None else logp_tol
+    grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=None,
+    ).to(args.device)
+    model.train(False)  # dropout off: both sides must compute the same function
+    examples = _examples(tokenizer, args.text_file)
+    n = len(examples)
+    pad_multiple = 128 if args.attention == "flex" else 1
+    cases = [
+        ("unpacked (one row per example)", None),
+        ("packed (all examples in one row)", [list(range(n))]),
+        ("packed (two rows, with padding)", [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]]),
+    ]
+    arch = type(model).__name__
+    print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={args.attention}, "
+          f"{n} examples, K = {sorted({e.num_responses for e in examples})}")
+    print(f"tolerances: logp |shared - separate| <= {logp_tol:g} x max(1, largest |logp|); "
+          f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
+    print(f"{'case':36} {'max |dlogp|':>12} {'max |dgrad|':>12}  result")
+    failed = False
+    for name, packs in cases:
+        result = compare(
+            model, examples, packs=packs, backend=args.attention, case=name, pad_multiple=pad_multiple,
+            restart_positions=not args.no_restart_positions,
+        )
+        ok = result.ok(logp_tol, grad_tol)
+        failed |= not ok
+        print(f"{name:36} {result.logp_diff:12.3e} {result.grad_diff:12.3e}  {'ok' if ok else 'FAIL'}")
+    print("verdict: " + ("FAIL: prefix sharing does not match separate passes" if failed else
+                         "prefix sharing matches separate passes"))
+    return 1 if failed else 0

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny randomly initialised decoder-only models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+TINY = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, max_position_embeddings=512,
+)
+
+
+def tiny_model(arch: str, **overrides):
+    """A tiny fp32 model of the named architecture (llama, qwen2 (GQA), qwen3, mistral, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(TINY)
+    if arch in ("qwen2", "qwen3", "mistral", "llama"):
+        kwargs["num_key_value_heads"] = 2  # GQA
+    if arch == "qwen3":
+        kwargs["head_dim"] = 8
+    kwargs.update(overrides)
+    cfg = AutoConfig.for_model(arch, **kwargs)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Larger-than-default init so a wrong layout shows up clearly in log-probs.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.train(False)
+
+
+def random_examples(seed: int = 0, vocab: int = 96, shapes=((7, (5, 3)), (4, (6, 2, 3, 4)), (9, (2, 8)))):
+    """Examples from (prompt length, response lengths); K = len(response lengths)."""
+    from prefixdpo.data.example import Example
+
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    out = []
+    for i, (p, rs) in enumerate(shapes):
+        pairs = [(0, k) for k in range(1, len(rs))]
+        out.append(Example(ids(p), [ids(r) for r in rs], pairs=pairs, source_index=i))
+    return out
+
+
+@pytest.fixture
+def examples():
+    return random_examples()

@@ -1,0 +1,62 @@
+"""Chunked log-probs equal unchunked ones, and the largest tensor alive scales with the chunk, not tokens x vocab."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prefixdpo.logprobs import token_logps
+
+V, D, T = 512, 16, 300
+
+
+def head_and_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(D, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g))
+    hidden = torch.randn(T, D, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (T,), generator=g)
+    return (lambda h: head(h).float()), head, hidden, targets
+
+
+def test_chunked_equals_unchunked_values_and_grads():
+    f, head, hidden, targets = head_and_inputs()
+    full = torch.log_softmax(head(hidden), -1).gather(1, targets[:, None]).squeeze(1)
+    g_full = torch.autograd.grad(full.sum(), [hidden, head.weight])
+    for chunk in (1, 7, 64, 1000):
+        out = token_logps(f, hidden, targets, chunk_size=chunk)
+        assert torch.allclose(out, full, atol=1e-5, rtol=0)
+        g = torch.autograd.grad(out.sum(), [hidden, head.weight])
+        for a, b in zip(g, g_full):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def largest_tensor(chunk: int) -> int:
+    f, head, hidden, targets = head_and_inputs()
+    with LargestTensor() as mode:
+        token_logps(f, hidden, targets, chunk_size=chunk).sum().backward()
+    return mode.largest
+
+
+def test_peak_tensor_grows_with_chunk_not_tokens_times_vocab():
+    small, big = largest_tensor(16), largest_tensor(128)
+    # forward and backward (recomputed logits) never hold more than chunk x vocab at once
+    assert small <= 16 * V < T * V
+    assert big <= 128 * V
+    assert big > small  # it really is the chunk that bounds it
+    # and an unchunked pass would hold tokens x vocab
+    assert largest_tensor(T) >= T * V
