@@ -39,6 +39,8 @@ def read_json_records(path: str | Path) -> list:
             raise ValueError(f"{path}: not valid UTF-8 at byte {err.start}") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
         return records
     records: list = []
     for line_no, line in enumerate(data.splitlines(), start=1):
