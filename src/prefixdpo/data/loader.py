@@ -1,0 +1,209 @@
+"""Examples -> micro-batches, per epoch and per data-parallel rank.
+
+One *plan* per epoch decides which examples go into which line of which micro-batch on which rank;
+every rank computes the same global plan (it is a pure function of lengths, seed and epoch), so each
+rank also knows, without any communication, how many preference pairs the whole optimizer step holds
+across all ranks. The trainer divides by that count, so gradient accumulation and data parallelism
+normalise by pairs exactly even when packing makes the pair count vary per micro-batch.
+
+Plan shape: ``plan[rank][micro_batch] = [line, ...]``, ``line = [example index, ...]``. Unpacked, a
+line is one example; packed, a line holds the examples of one pack. An empty line (added so every
+rank runs the same number of micro-batches) carries no example; a micro-batch with no example at all
+becomes a zero-weight batch that still runs the model (so DDP's collectives line up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from prefixdpo.data.batch import PAD_DOC, Batch, build_batch
+from prefixdpo.data.example import Example
+from prefixdpo.data.packing import auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank
+
+Plan = list[list[list[list[int]]]]  # [rank][micro-batch][line][example index]
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How examples become micro-batches.
+
+    batch_size:  examples per micro-batch (unpacked) or packed lines per micro-batch (packing).
+    pack_length: line length when packing (None = `auto_pack_length` of the rows).
+    grad_accum:  micro-batches per optimizer step (for the per-step pair totals).
+    pad_multiple: unpacked lines are padded to a multiple of this.
+    """
+
+    batch_size: int = 1
+    prefix_sharing: bool = True
+    packing: bool = False
+    pack_length: int | None = None
+    pad_token_id: int = 0
+    pad_multiple: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    grad_accum: int = 1
+
+
+def row_length(example: Example, prefix_sharing: bool) -> int:
+    """Tokens one example occupies in a line: its prefix-shared row, or all K standard rows."""
+    return example.shared_length if prefix_sharing else example.unshared_length
+
+
+def resolve_pack_length(examples: Sequence[Example], settings: LoaderSettings) -> int | None:
+    if not settings.packing:
+        return None
+    lengths = [row_length(ex, settings.prefix_sharing) for ex in examples]
+    if settings.pack_length is not None:
+        return int(settings.pack_length)
+    return auto_pack_length(lengths)
+
+
+def plan_epoch(
+    examples: Sequence[Example], settings: LoaderSettings, epoch: int, world_size: int, pack_length: int | None = None
+) -> Plan:
+    """The global plan of one epoch: for every rank, its micro-batches of lines of example indices.
+
+    Every rank gets the same number of micro-batches (`even_packs_for_ranks`). Lines are dealt to ranks
+    strided, so micro-batch k on all ranks together covers the same examples as micro-batch k of one
+    process with world_size x the batch size (what makes a W-rank run equal a 1-process run).
+    """
+    n = len(examples)
+    if settings.packing:
+        lengths = [row_length(ex, settings.prefix_sharing) for ex in examples]
+        pack_length = pack_length or resolve_pack_length(examples, settings)
+        lines = plan_packs(lengths, pack_length, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
+    else:
+        if settings.shuffle:
+            order = np.random.default_rng([int(settings.seed), int(epoch)]).permutation(n).tolist()
+        else:
+            order = list(range(n))
+        lines = [[i] for i in order]
+    lines = even_packs_for_ranks(lines, world_size)
+    return [group_into_batches(shard_for_rank(lines, r, world_size), settings.batch_size) for r in range(world_size)]
+
+
+def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -> list[int]:
+    """Preference pairs in each optimizer step over all ranks: micro-batches are grouped in runs of
+    `grad_accum` (the last run may be shorter), exactly as `transformers.Trainer` groups them."""
+    per_mb = [
+        sum(len(examples[e].pairs) for rank_plan in plan for line in rank_plan[m] for e in line)
+        for m in range(len(plan[0]))
+    ]
+    return [sum(per_mb[s : s + grad_accum]) for s in range(0, len(per_mb), grad_accum)]
+
+
+def empty_batch(pad_token_id: int = 0) -> Batch:
+    """A one-token batch with no responses: runs the model (for DDP) and weighs nothing.
+
+    The token is marked as a document (not padding) so it attends to itself like a real token.
+    """
+    one = torch.zeros((1, 1), dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)
+    return Batch(
+        input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
+        position_ids=one.clone(),
+        doc_ids=one.clone(),
+        branch_ids=one.clone(),
+        target_line=none, target_col=none.clone(), target_ids=none.clone(), target_response=none.clone(),
+        response_lengths=none.clone(), response_example=none.clone(),
+        pair_better=none.clone(), pair_worse=none.clone(), max_sequence_length=1,
+    )
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """This rank's micro-batches of the current epoch, as a map-style dataset (item m = micro-batch m).
+
+    Map-style so `transformers.Trainer` can skip already-trained micro-batches on resume. Call
+    `set_epoch(e)` before each epoch: the plan is re-drawn with (seed, e). The number of micro-batches
+    is fixed at the first epoch's (best-fit packing makes it the same every epoch; if a plan ever
+    differs, it is padded with zero-weight micro-batches or its extra lines folded into the last ones).
+
+    Each item is a dict: ``batch`` (Batch), ``example_ids`` ([E] long, the batch's examples in batch
+    order), ``ref_logps`` ([R], only with a precomputed reference table), ``step_pairs`` (pairs in this micro-batch's optimizer step over all ranks), and token counts
+    ``real_tokens``, ``slots``, ``shared_tokens``, ``unshared_tokens``.
+    """
+
+    def __init__(self, examples: Sequence[Example], settings: LoaderSettings, rank: int = 0, world_size: int = 1,
+                 ref_table=None):
+        if not examples:
+            raise ValueError("no examples to train or evaluate on")
+        self.examples = list(examples)
+        self.settings = settings
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.ref_table = ref_table  # precomputed reference sums (reference.RefLogpsTable) or None
+        self.pack_length = resolve_pack_length(self.examples, settings)
+        self.epoch = -1
+        self._length: int | None = None
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return
+        plan = plan_epoch(self.examples, self.settings, epoch, self.world_size, self.pack_length)
+        if self._length is None:
+            self._length = len(plan[0])
+        plan = [_fit(rank_plan, self._length) for rank_plan in plan]
+        self.epoch = epoch
+        self.plan = plan
+        self.step_pairs = step_pair_totals(self.examples, plan, self.settings.grad_accum)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, m: int) -> dict:
+        lines = self.plan[self.rank][m]
+        ids = [e for line in lines for e in line]
+        total = self.step_pairs[m // self.settings.grad_accum]
+        if not ids:
+            return {"batch": empty_batch(self.settings.pad_token_id), "example_ids": torch.zeros(0, dtype=torch.long),
+                    "step_pairs": total, "real_tokens": 0, "slots": 0, "shared_tokens": 0, "unshared_tokens": 0}
+        exs = [self.examples[e] for e in ids]
+        if self.settings.packing:
+            # packs as local indices; an empty line (rank balancing) stays an all-padding line
+            local, k = [], 0
+            for line in lines:
+                local.append(list(range(k, k + len(line))))
+                k += len(line)
+            batch = build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=[p for p in local if p],
+                                pad_token_id=self.settings.pad_token_id, length=self.pack_length)
+        else:
+            batch = build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=None,
+                                pad_token_id=self.settings.pad_token_id, pad_multiple=self.settings.pad_multiple)
+        example_ids = torch.tensor(ids, dtype=torch.long)
+        item = {
+            "batch": batch,
+            "example_ids": example_ids,
+            "step_pairs": total,
+            "real_tokens": int((batch.doc_ids != PAD_DOC).sum()),
+            "slots": batch.num_slots,
+            # tokens run vs tokens standard paired DPO runs (equal when prefix sharing is off)
+            "shared_tokens": sum(row_length(ex, self.settings.prefix_sharing) for ex in exs),
+            "unshared_tokens": sum(ex.unshared_length for ex in exs),
+        }
+        if self.ref_table is not None:
+            item["ref_logps"] = self.ref_table.gather(example_ids)  # [R], in the batch's response order
+        return item
+
+
+def _fit(micro_batches: list, length: int) -> list:
+    """Pad with empty micro-batches, or fold surplus lines into the last ones, to exactly `length`."""
+    out = [list(mb) for mb in micro_batches[:length]]
+    for i, extra in enumerate(micro_batches[length:]):
+        out[-1 - (i % len(out))].extend(extra)
+    out.extend([[]] for _ in range(length - len(out)))
+    return out
+
+
+def _first(items: list) -> dict:
+    return items[0]
+
+
+def make_dataloader(dataset: MicroBatches, num_workers: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader yielding one micro-batch dict per step (batch_size=1 + unwrap, so resume can skip)."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=1, shuffle=False, collate_fn=_first, num_workers=num_workers, pin_memory=pin_memory
+    )
