@@ -128,14 +128,17 @@ class MicroBatches(torch.utils.data.Dataset):
     """
 
     def __init__(self, examples: Sequence[Example], settings: LoaderSettings, rank: int = 0, world_size: int = 1,
-                 ref_table=None):
+                 ref_table=None, plan_settings: LoaderSettings | None = None):
         if not examples:
             raise ValueError("no examples to train or evaluate on")
         self.examples = list(examples)
         self.settings = settings
+        # plan as if with `plan_settings`, lay out with `settings` (lets a test run standard rows on
+        # exactly the example groups of a packed prefix-shared plan)
+        self.plan_settings = plan_settings or settings
         self.rank, self.world_size = int(rank), int(world_size)
         self.ref_table = ref_table  # precomputed reference sums (reference.RefLogpsTable) or None
-        self.pack_length = resolve_pack_length(self.examples, settings)
+        self.pack_length = resolve_pack_length(self.examples, self.plan_settings)
         self.epoch = -1
         self._length: int | None = None
         self.set_epoch(0)
@@ -143,7 +146,7 @@ class MicroBatches(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
-        plan = plan_epoch(self.examples, self.settings, epoch, self.world_size, self.pack_length)
+        plan = plan_epoch(self.examples, self.plan_settings, epoch, self.world_size, self.pack_length)
         if self._length is None:
             self._length = len(plan[0])
         plan = [_fit(rank_plan, self._length) for rank_plan in plan]
@@ -162,7 +165,7 @@ class MicroBatches(torch.utils.data.Dataset):
             return {"batch": empty_batch(self.settings.pad_token_id), "example_ids": torch.zeros(0, dtype=torch.long),
                     "step_pairs": total, "real_tokens": 0, "slots": 0, "shared_tokens": 0, "unshared_tokens": 0}
         exs = [self.examples[e] for e in ids]
-        if self.settings.packing:
+        if self.settings.packing and self.plan_settings.packing:
             # packs as local indices; an empty line (rank balancing) stays an all-padding line
             local, k = [], 0
             for line in lines:

@@ -1,0 +1,271 @@
+"""PrefixDPOTrainer end to end on a tiny fp32 Llama built from a config.
+
+Equivalence: prefix-shared training (unpacked, packed, K-response rows) against standard paired
+training (`prefix_sharing=False, packing=False`: every response its own `[prompt][response]` row) on the
+same example groups per step, several SGD steps of DPO with a reference model. Tolerances (fp32):
+per-step loss 1e-5 relative; reward/log-prob metrics 1e-5 relative to the log-prob scale they are
+computed from (a reward is beta x a small difference of two ~-30 sums, so its own relative error is
+bounded by the sums' rounding, not by its size); final weights 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from prefixdpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.data.example import Example
+from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
+from prefixdpo.trainer import NonFiniteLossError, PrefixDPOTrainer
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def make_examples(n: int, seed: int = 0, ks=(2,)) -> list[Example]:
+    g = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = ks[i % len(ks)]
+        prompt = [g.randrange(3, 96) for _ in range(g.randrange(4, 14))]
+        responses = [[g.randrange(3, 96) for _ in range(g.randrange(2, 9))] for _ in range(k)]
+        out.append(Example(prompt, responses, pairs=[(0, j) for j in range(1, k)], source_index=i))
+    return out
+
+
+def config(tmp_path, **kw) -> PrefixDPOConfig:
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, logging_steps=1,
+        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+        disable_tqdm=True, seed=0, beta=0.5, ref_cache_dir=str(tmp_path / "cache"), report_to="none",
+    )
+    base.update(kw)
+    return PrefixDPOConfig(**base)
+
+
+def train(args, examples, trainer_cls=PrefixDPOTrainer, model=None, **kw):
+    trainer = trainer_cls(model=model if model is not None else tiny_model("llama"), args=args,
+                          train_dataset=examples, **kw)
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+
+
+def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, loss_rtol=1e-5, weight_atol=1e-5):
+    assert len(logs_a) == len(logs_b) > 0
+    for a, b in zip(logs_a, logs_b):
+        assert a["loss"] == pytest.approx(b["loss"], rel=loss_rtol), (a, b)
+        scale = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]), 1.0)
+        for key in METRICS:
+            assert abs(a[key] - b[key]) <= 1e-5 * scale, (key, a[key], b[key])
+        assert a["rewards/accuracies"] == b["rewards/accuracies"]
+    if w_a is not None:
+        worst = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
+        assert worst <= weight_atol, worst
+
+
+class StandardOnPlan(PrefixDPOTrainer):
+    """Standard paired rows, on the example groups a prefix-shared packed plan would use."""
+
+    plan_kwargs: dict = {}
+
+    def _micro_batches(self, examples, *, train):
+        settings = self._loader_settings(train=train)
+        plan = dataclasses.replace(settings, prefix_sharing=True, **self.plan_kwargs)
+        return MicroBatches(examples, settings, rank=self.args.process_index, world_size=self.args.world_size,
+                            ref_table=self.ref_tables.get(id(examples)), plan_settings=plan)
+
+
+CASES = {
+    "unpacked": (dict(), dict(ks=(2,))),
+    "packed": (dict(packing=True, pack_length=64, per_device_train_batch_size=2), dict(ks=(2,))),
+    "k_responses": (dict(), dict(ks=(3, 4, 2))),
+    "k_responses_packed": (dict(packing=True, pack_length=96, per_device_train_batch_size=2), dict(ks=(3, 4))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefix_sharing_equals_standard_training(tmp_path, case):
+    opts, data = CASES[case]
+    examples = make_examples(16, ks=data["ks"])
+    shared, logs_shared = train(config(tmp_path, **opts), examples)
+    packed = {k: v for k, v in opts.items() if k in ("packing", "pack_length")}
+    StandardOnPlan.plan_kwargs = packed
+    std_opts = {**opts, "packing": False, "prefix_sharing": False}
+    std_opts.pop("pack_length", None)
+    standard, logs_std = train(config(tmp_path, **std_opts), examples, trainer_cls=StandardOnPlan)
+    assert_same_run(logs_shared, logs_std, weights(shared), weights(standard))
+    # the run did something, and prefix sharing saved tokens while the standard run saved none
+    assert logs_shared[-1]["loss"] != pytest.approx(logs_shared[0]["loss"], rel=1e-3)
+    assert logs_shared[0]["prefix_sharing/tokens_saved"] > 0.2
+    assert logs_std[0]["prefix_sharing/tokens_saved"] == 0.0
+    if "packing" in opts:
+        assert logs_shared[0]["packing/efficiency"] > 0.5
+
+
+def test_grad_accumulation_normalises_by_pairs(tmp_path):
+    """Packed lines hold different pair counts: 2 micro-batches x 1 line == 1 micro-batch x 2 lines."""
+    examples = make_examples(16, ks=(2, 3))
+    opts = dict(packing=True, pack_length=64)
+    t1, one = train(config(tmp_path, per_device_train_batch_size=2, **opts), examples)
+    t2, acc = train(config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2, **opts), examples)
+    assert_same_run(acc, one, weights(t2), weights(t1))
+    # the micro-batches really had unequal pair counts
+    mb = t2._train_micro
+    counts = {len([p for e in line for p in examples[e].pairs]) for m in mb.plan[0] for line in m}
+    assert len(counts) > 1
+
+
+def test_reference_modes(tmp_path, monkeypatch):
+    examples = make_examples(12)
+    # default reference = frozen copy of the start; an explicit copy gives the same run
+    t_copy, logs_copy = train(config(tmp_path), examples)
+    assert t_copy.reference_mode == "model"
+    t_ref, logs_ref = train(config(tmp_path), examples, ref_model=tiny_model("llama"))
+    assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
+
+    # precomputed: same numbers, no reference model kept, and a second run reuses the cache
+    import prefixdpo.reference as reference
+
+    calls = []
+    real = reference.compute_table
+    monkeypatch.setattr(reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    t_pre, logs_pre = train(config(tmp_path, precompute_ref_log_probs=True), examples)
+    assert t_pre.reference_mode == "precomputed" and t_pre.ref_model is None
+    assert calls == [1] and t_pre.ref_cache_hits == {"train": False}
+    assert_same_run(logs_pre, logs_copy, weights(t_pre), weights(t_copy))
+    t_again, logs_again = train(config(tmp_path, precompute_ref_log_probs=True), examples)
+    assert calls == [1] and t_again.ref_cache_hits == {"train": True}  # no reference forward at all
+    assert_same_run(logs_again, logs_pre, weights(t_again), weights(t_pre), weight_atol=0.0)
+    # other data -> another key -> computed again
+    train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples[:8])
+    assert calls == [1, 1]
+
+    # reference-free loss: no reference loaded or run
+    t_free, logs_free = train(config(tmp_path, loss_type=["simpo"]), examples)
+    assert t_free.reference_mode == "none" and t_free.ref_model is None
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs_free)
+
+
+def test_lora_adapter_reference_and_precompute(tmp_path):
+    from peft import LoraConfig
+
+    examples = make_examples(12)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    t_lora, logs_lora = train(config(tmp_path, learning_rate=1.0), examples, peft_config=lora)
+    assert t_lora.reference_mode == "adapter" and t_lora.ref_model is None
+    # adapter starts as identity: first-step rewards are exactly zero (reference = adapter off)
+    assert logs_lora[0]["rewards/chosen"] == 0.0 and logs_lora[0]["loss"] == pytest.approx(0.6931472, rel=1e-6)
+    base_before = tiny_model("llama").state_dict()
+    for name, p in t_lora.model.named_parameters():
+        if "lora_" in name:
+            assert p.requires_grad
+        else:
+            key = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(p.detach(), base_before[key]), name  # base weights untouched
+    assert logs_lora[-1]["rewards/margins"] != 0.0
+
+    t_pre, logs_pre = train(config(tmp_path, learning_rate=1.0, precompute_ref_log_probs=True), examples,
+                            peft_config=lora)
+    assert t_pre.reference_mode == "precomputed"
+    assert_same_run(logs_pre, logs_lora)
+
+    t_lora.save_model(str(tmp_path / "adapter"))
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    examples = make_examples(16)
+    opts = dict(max_steps=6, optim="adamw_torch", learning_rate=1e-2, per_device_train_batch_size=3)
+    full, logs_full = train(config(tmp_path, **opts), examples)  # 16 / 3 -> 6 micro-batches: 1 epoch
+    first, _ = train(config(tmp_path, output_dir=str(tmp_path / "r"), save_strategy="steps", save_steps=3,
+                            max_steps=3, **{k: v for k, v in opts.items() if k != "max_steps"}), examples)
+    resumed = PrefixDPOTrainer(model=tiny_model("llama"), args=config(tmp_path, output_dir=str(tmp_path / "r"), **opts),
+                               train_dataset=examples)
+    resumed.train(resume_from_checkpoint="latest")
+    logs_resumed = [h for h in resumed.state.log_history if "loss" in h]
+    assert [h["step"] for h in logs_resumed[-3:]] == [4, 5, 6]
+    assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_atol=1e-6)
+
+
+def test_multi_epoch_replans_with_seed(tmp_path):
+    examples = make_examples(8)
+    t, logs = train(config(tmp_path, max_steps=-1, num_train_epochs=2, per_device_train_batch_size=4), examples)
+    assert len(logs) == 4 and t.state.epoch == 2
+    mb = MicroBatches(examples, LoaderSettings(batch_size=4, seed=0))
+    first = [list(m) for m in mb.plan[0]]
+    mb.set_epoch(1)
+    assert [list(m) for m in mb.plan[0]] != first  # a new order each epoch
+    mb.set_epoch(0)
+    assert [list(m) for m in mb.plan[0]] == first  # and reproducible
+
+
+def test_plan_is_rank_even_with_uneven_data():
+    examples = make_examples(7, ks=(2, 3))
+    for packing in (False, True):
+        s = LoaderSettings(batch_size=2, packing=packing, pack_length=64, grad_accum=2)
+        plan = plan_epoch(examples, s, epoch=0, world_size=2)
+        assert len(plan[0]) == len(plan[1])
+        seen = sorted(e for r in plan for m in r for line in m for e in line)
+        assert seen == list(range(7))
+        totals = step_pair_totals(examples, plan, 2)
+        assert sum(totals) == sum(len(ex.pairs) for ex in examples)
+
+
+def test_save_model_loads_with_stock_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    examples = make_examples(8)
+    t, _ = train(config(tmp_path, max_steps=1), examples)
+    t.save_model(str(tmp_path / "final"))
+    cfg = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert "prefixdpo" not in json.dumps(cfg)
+    assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "final"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        ref = copy.deepcopy(t.model)
+        ref.set_attn_implementation("sdpa")
+        assert torch.allclose(loaded(ids).logits, ref(ids).logits, atol=1e-6)
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    class Exploding(PrefixDPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * float("nan") if self.state.global_step == 2 else loss
+
+    examples = make_examples(16)
+    args = config(tmp_path, save_strategy="steps", save_steps=1)
+    trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
+    with pytest.raises(NonFiniteLossError, match="optimizer step 3.*checkpoint-2"):
+        trainer.train()
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(args.output_dir, "checkpoint-2", "model.safetensors"))
+    current = trainer.model.state_dict()
+    assert all(torch.equal(saved[k], current[k]) for k in saved)  # the bad step was never applied
+
+
+def test_parse_train_args_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("beta: 0.2\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\npacking: true\nlora_r: 8\n")
+    cfg, model_args, data_args = parse_train_args([str(path), "--beta", "0.05", "--pack-length", "256",
+                                                   "--output-dir", str(tmp_path / "o")])
+    assert cfg.beta == 0.05 and cfg.loss_type == ["sigmoid", "sft"] and cfg.loss_weights == [1.0, 0.5]
+    assert cfg.packing and cfg.pack_length == 256 and model_args.lora_r == 8
+    assert model_args.peft_config().r == 8
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_train_args(["--no-such-option", "1"])
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["nope"])
