@@ -1,0 +1,82 @@
+"""The four benchmark modes: how one group of examples is laid out into a `Batch`.
+
+    paired         standard DPO as TRL runs it: each response its own `[prompt][response]` line,
+                   padded to the longest line of the group (two lines per pair).
+    paired-packed  standard DPO, padding-free: the same `[prompt][response]` sequences, each its own
+                   document, bin-packed into lines of the common pack length (as OpenRLHF packs them).
+    shared         prefix sharing: one `[prompt][resp 0][resp 1]...` line per example, padded.
+    shared-packed  prefix sharing + packing: the shared rows bin-packed into lines of the pack length.
+
+Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
+(`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the
+longest row). Every standard sequence is shorter than its example's shared row, so it always fits.
+With the same line length, per-line costs that do not depend on the documents (a dense attention
+mask's L x L, mask construction) cost both packed modes the same per token, and the difference in the
+number of lines is the token saving itself.
+
+On CUDA (FlexAttention, compiled) the padded modes round their line length up to one of a few bucket
+lengths (`bucket_length`) so the compiled kernel sees few shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefixdpo.data.batch import Batch, build_batch, collate_lines
+from prefixdpo.data.example import Example
+from prefixdpo.data.layout import separate_rows
+from prefixdpo.data.packing import auto_pack_length, plan_packs
+
+__all__ = ["MODES", "PACKED_MODES", "common_pack_length", "bucket_length", "layout_group"]
+
+MODES = ("paired", "paired-packed", "shared", "shared-packed")
+PACKED_MODES = ("paired-packed", "shared-packed")
+
+
+def common_pack_length(examples: Sequence[Example], multiple: int = 128) -> int:
+    """The pack length both packed modes use: the paper's rule on the prefix-shared row lengths."""
+    return auto_pack_length([ex.shared_length for ex in examples], multiple=multiple)
+
+
+def bucket_length(n: int, base: int = 128) -> int:
+    """Round `n` up to the next of a few lengths: base x {1, 2, 3, 4, 6, 8, 12, 16, ...} (steps of 1.5-2x).
+
+    Used on CUDA so compiled FlexAttention compiles once per bucket, not once per batch.
+    """
+    blocks = -(-int(n) // base)
+    size = 1
+    while size < blocks:  # 1, 2, 3, 4, 6, 8, 12, 16, ... : powers of two and 1.5 x powers of two
+        size = size * 3 // 2 if size >= 2 and size & (size - 1) == 0 else (size * 4 // 3 if size >= 3 else size + 1)
+    return size * base
+
+
+def layout_group(
+    examples: Sequence[Example],
+    mode: str,
+    *,
+    pack_length: int,
+    pad_token_id: int = 0,
+    bucketed: bool = False,
+) -> Batch:
+    """Lay out one group of examples (one optimizer step) for `mode`.
+
+    pack_length: line length of the packed modes (see `common_pack_length`).
+    bucketed:    round padded line lengths up with `bucket_length` (CUDA/flex); else pad to the longest.
+    The Batch's responses and pairs are in example order in every mode, so per-pair results compare.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode in ("paired", "shared"):
+        sharing = mode == "shared"
+        longest = max(ex.shared_length if sharing else len(ex.prompt_ids) + max(map(len, ex.response_ids))
+                      for ex in examples)
+        length = bucket_length(longest) if bucketed else None
+        return build_batch(examples, prefix_sharing=sharing, pad_token_id=pad_token_id, length=length)
+    if mode == "shared-packed":
+        packs = plan_packs([ex.shared_length for ex in examples], pack_length, shuffle=False)
+        return build_batch(examples, prefix_sharing=True, packs=packs, pad_token_id=pad_token_id, length=pack_length)
+    # paired-packed: every [prompt][response] sequence is its own packing unit (and document).
+    units = [(e, row) for e, ex in enumerate(examples) for row in separate_rows(ex)]
+    packs = plan_packs([len(row) for _, row in units], pack_length, shuffle=False)
+    lines = [[units[u] for u in pack] for pack in packs]
+    return collate_lines(examples, lines, pad_token_id=pad_token_id, length=pack_length)

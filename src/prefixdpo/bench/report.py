@@ -1,0 +1,81 @@
+"""Benchmark results as a markdown report (the paper's numbers beside ours) and as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from prefixdpo.bench.runner import ProfileResult
+
+__all__ = ["to_json", "markdown_report", "aims"]
+
+
+def aims(r: ProfileResult) -> dict[str, bool]:
+    """The issue's aims on one profile: shared ahead of paired; shared-packed at least as far ahead
+    of paired-packed as the paper's packed table; achieved/ideal >= 0.9."""
+    out = {"shared_beats_paired": r.speedups["shared_vs_paired"].median > 1.0,
+           "achieved_over_ideal_ge_0.9": r.achieved_over_ideal >= 0.9}
+    if r.paper is not None:
+        out["packed_ge_paper"] = (
+            r.speedups["shared_packed_vs_paired_packed"].median >= r.paper["shared_packed_vs_paired_packed"])
+    return out
+
+
+def to_json(results: list[ProfileResult], meta: dict) -> str:
+    """Everything measured, plus `meta` (machine, model, settings), as indented JSON."""
+    payload = {"meta": meta, "profiles": []}
+    for r in results:
+        d = asdict(r)
+        d["achieved_over_ideal"] = r.achieved_over_ideal
+        d["aims"] = aims(r)
+        for m, mr in r.modes.items():
+            d["modes"][m]["fill"] = mr.fill
+        payload["profiles"].append(d)
+    return json.dumps(payload, indent=2)
+
+
+def _spread(s, fmt="{:.2f}") -> str:
+    return f"{fmt.format(s.median)} ({fmt.format(s.min)}-{fmt.format(s.max)})"
+
+
+def markdown_report(results: list[ProfileResult], meta: dict) -> str:
+    """Two tables: per profile and mode (throughput, memory, padding), and the speedups vs the paper's."""
+    lines = ["# prefixdpo bench", ""]
+    for key in ("device", "model", "settings", "memory", "timing"):
+        if key in meta:
+            lines.append(f"- **{key}**: {meta[key]}")
+    lines += ["", "## Throughput per mode (median (min-max) over the counted passes)", "",
+              "| profile | mode | pairs/s | tokens/s | peak mem MB | lines | fill | collate ms/step |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for m, mr in r.modes.items():
+            lines.append(
+                f"| {r.name} | {m} | {_spread(mr.pairs_per_s)} | {_spread(mr.tokens_per_s, '{:.0f}')} | "
+                f"{mr.peak_mb:.0f} | {mr.lines} | {mr.fill:.0%} | {mr.collate_ms_per_step:.1f} |")
+    lines += ["", "## Speedups (ours: median (min-max) of per-pass time ratios; paper: 8x H100, Flex+prefix "
+              "sharing over FA3)", "",
+              "| profile | shared/paired | paper unpacked | shared-packed/paired-packed | paper packed | "
+              "shared-packed/paired | ideal (useful FLOPs) | achieved/ideal | aims met |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        paper_u = f"{r.paper['shared_vs_paired']:.2f}" if r.paper else "-"
+        paper_p = f"{r.paper['shared_packed_vs_paired_packed']:.2f}" if r.paper else "-"
+        met = aims(r)
+        lines.append(
+            f"| {r.name} | {_spread(r.speedups['shared_vs_paired'])} | {paper_u} | "
+            f"{_spread(r.speedups['shared_packed_vs_paired_packed'])} | {paper_p} | "
+            f"{_spread(r.speedups['shared_packed_vs_paired'])} | {r.ideal:.2f} | {r.achieved_over_ideal:.2f} | "
+            f"{sum(met.values())}/{len(met)} |")
+    lines += ["", "## Workloads", "",
+              "| profile | examples | steps | length scale | pack length | FLOP split standard (body/attn/head) | "
+              "FLOP split shared |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        fs = {k: "/".join(f"{v[p]:.0%}" for p in ("body", "attention", "lm_head")) for k, v in r.flop_split.items()}
+        lines.append(f"| {r.name} | {r.examples} | {r.steps} | {r.length_scale:g} | {r.pack_length} | "
+                     f"{fs['standard']} | {fs['shared']} |")
+    lines += ["", "ideal = useful forward FLOPs of standard DPO / of prefix sharing on the same examples (real "
+              "tokens; matmuls + attention over allowed query-key pairs; LM head where a response token is "
+              "predicted). achieved/ideal = shared-packed over paired-packed, divided by ideal. "
+              "Aims: shared > paired; shared-packed/paired-packed >= the paper's packed speedup; "
+              "achieved/ideal >= 0.9."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,206 @@
+"""Run the four modes on each workload, interleaved, and collect throughput, memory and speedups.
+
+Protocol (per workload):
+
+1. Every mode lays out every group of examples once (`modes.layout_group`), before timing: collation
+   is data loading, done by dataloader workers in a real run; its cost is reported separately.
+2. `warmup + repeats` passes over the groups; in each pass, for each group, the modes run one DPO
+   step each in the order A B C D. Interleaving step by step means a noisy machine's drift (other
+   processes, thermal state) hits all modes alike. The warm-up passes are not counted.
+3. Per counted pass and mode: pairs/s and tokens/s over the whole workload. Reported: median and
+   min-max over passes. Speedups are per-pass time ratios (both modes saw the same moment of the
+   machine), then median and min-max.
+
+One policy, one reference and one AdamW are shared by all modes: the weights' values do not change
+the cost of a step, and so the four modes run literally the same modules.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixdpo.bench.flops import ModelShape, ideal_speedup
+from prefixdpo.bench.memory import PeakMemory
+from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
+from prefixdpo.bench.step import DPOStep
+from prefixdpo.bench.workloads import Workload
+
+__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload", "speedup_pairs"]
+
+# (faster mode, baseline mode, key): the paper's two tables, and prefix sharing + packing over TRL's default.
+SPEEDUPS = (
+    ("shared", "paired", "shared_vs_paired"),
+    ("shared-packed", "paired-packed", "shared_packed_vs_paired_packed"),
+    ("shared-packed", "paired", "shared_packed_vs_paired"),
+)
+
+
+def speedup_pairs() -> tuple[tuple[str, str, str], ...]:
+    return SPEEDUPS
+
+
+@dataclass
+class Spread:
+    """Median and range of repeated measurements."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(float(statistics.median(values)), float(min(values)), float(max(values)))
+
+
+@dataclass
+class ModeResult:
+    """One mode on one workload. tokens = real (non-padding) tokens it ran; slots = lines x length."""
+
+    mode: str
+    pairs_per_s: Spread
+    tokens_per_s: Spread
+    seconds: list[float]
+    peak_mb: float
+    tokens: int
+    slots: int
+    lines: int
+    steps: int
+    collate_ms_per_step: float
+
+    @property
+    def fill(self) -> float:
+        """Real tokens / computed slots (1 - padding fraction)."""
+        return self.tokens / self.slots if self.slots else 0.0
+
+
+@dataclass
+class ProfileResult:
+    """All modes on one workload, the speedups, and the FLOP model's ideal."""
+
+    name: str
+    examples: int
+    pairs: int
+    steps: int
+    pack_length: int
+    length_scale: float
+    ideal: float
+    flop_split: dict
+    modes: dict[str, ModeResult]
+    speedups: dict[str, Spread]
+    paper: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def achieved_over_ideal(self) -> float:
+        return self.speedups["shared_packed_vs_paired_packed"].median / self.ideal
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_workload(
+    workload: Workload,
+    stepper: DPOStep,
+    shape: ModelShape,
+    *,
+    device: str = "cpu",
+    repeats: int = 3,
+    warmup: int = 1,
+    modes=MODES,
+    progress=None,
+    pad_token_id: int = 0,
+) -> ProfileResult:
+    """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
+
+    progress: a tqdm-like object with `update(n)` (one unit per step), or None.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    dev = torch.device(device)
+    examples = workload.examples
+    pack_length = common_pack_length(examples)
+    bucketed = dev.type == "cuda"
+
+    batches: dict[str, list] = {}
+    collate_s: dict[str, float] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        batches[mode] = [
+            layout_group([examples[i] for i in group], mode, pack_length=pack_length,
+                         pad_token_id=pad_token_id, bucketed=bucketed)
+            for group in workload.groups
+        ]
+        collate_s[mode] = time.perf_counter() - t0
+        batches[mode] = [b.to(dev) for b in batches[mode]]
+
+    seconds = {m: [0.0] * repeats for m in modes}
+    peak = {m: 0 for m in modes}
+    meter = PeakMemory(dev)
+    for r in range(warmup + repeats):
+        for g in range(len(workload.groups)):
+            for mode in modes:
+                with meter:
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    stepper.step(batches[mode][g])
+                    _sync(dev)
+                    dt = time.perf_counter() - t0
+                if r >= warmup:
+                    seconds[mode][r - warmup] += dt
+                    peak[mode] = max(peak[mode], meter.peak_bytes)
+                if progress is not None:
+                    progress.update(1)
+
+    pairs = workload.num_pairs
+    results: dict[str, ModeResult] = {}
+    for mode in modes:
+        tokens = sum(b.num_real_tokens for b in batches[mode])
+        results[mode] = ModeResult(
+            mode=mode,
+            pairs_per_s=Spread.of([pairs / s for s in seconds[mode]]),
+            tokens_per_s=Spread.of([tokens / s for s in seconds[mode]]),
+            seconds=seconds[mode],
+            peak_mb=peak[mode] / 2**20,
+            tokens=tokens,
+            slots=sum(b.num_slots for b in batches[mode]),
+            lines=sum(int(b.input_ids.shape[0]) for b in batches[mode]),
+            steps=len(batches[mode]),
+            collate_ms_per_step=1e3 * collate_s[mode] / max(1, len(batches[mode])),
+        )
+    speedups = {
+        key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
+        for fast, base, key in SPEEDUPS
+        if fast in seconds and base in seconds
+    }
+    paper = None
+    if workload.profile is not None:
+        p = workload.profile
+        paper = {
+            "unpacked_samples_per_s": p.unpacked._asdict(),
+            "packed_samples_per_s": p.packed._asdict(),
+            "shared_vs_paired": p.unpacked.speedup,
+            "shared_packed_vs_paired_packed": p.packed.speedup,
+        }
+    return ProfileResult(
+        name=workload.name,
+        examples=len(examples),
+        pairs=pairs,
+        steps=len(workload.groups),
+        pack_length=pack_length,
+        length_scale=workload.length_scale,
+        ideal=ideal_speedup(shape, examples),
+        flop_split={
+            "standard": shape.flop_fractions(examples, shared=False),
+            "shared": shape.flop_fractions(examples, shared=True),
+        },
+        modes=results,
+        speedups=speedups,
+        paper=paper,
+        notes=list(workload.notes) + [f"peak memory: {meter.method}"],
+    )

@@ -1,0 +1,119 @@
+"""Benchmark workloads: the examples every mode runs, and their fixed split into optimizer steps.
+
+A workload is a list of `Example`s in a fixed order plus `groups`: consecutive runs of
+`examples_per_step` example indices. Every mode lays out / packs the SAME group for one optimizer step,
+so all four modes do the same number of steps on the same examples in the same order.
+
+Synthetic workloads follow the paper's six length profiles (`prefixdpo.data.synthetic.PROFILES`:
+median overall length, prompt/completion ratio, lognormal spread, seeded). `length_scale` < 1
+shrinks both medians by the same factor (the prompt/completion ratio, hence the token saving, is
+kept): the default and quick runs use it to fit a CPU time budget, and the report states it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from prefixdpo.data.example import Example
+from prefixdpo.data.synthetic import PROFILES, LengthProfile, synthetic_examples
+
+__all__ = ["Workload", "scaled_profile", "synthetic_workload", "dataset_workload", "fixed_groups"]
+
+
+@dataclass
+class Workload:
+    """What one benchmark profile runs.
+
+    examples: [N] in run order; groups: lists of example indices, one optimizer step each.
+    profile:  the paper's profile (its throughputs go beside ours), None for a real dataset.
+    length_scale: factor applied to the profile's median lengths (1.0 = the paper's lengths).
+    """
+
+    name: str
+    examples: list[Example]
+    groups: list[list[int]]
+    profile: LengthProfile | None = None
+    length_scale: float = 1.0
+    source: str = "synthetic"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(len(ex.pairs) for ex in self.examples)
+
+
+def fixed_groups(n_examples: int, examples_per_step: int) -> list[list[int]]:
+    """Consecutive groups of `examples_per_step` indices; the last may be shorter (nothing dropped)."""
+    if examples_per_step < 1:
+        raise ValueError(f"examples_per_step must be >= 1, got {examples_per_step}")
+    return [list(range(k, min(k + examples_per_step, n_examples))) for k in range(0, n_examples, examples_per_step)]
+
+
+def scaled_profile(profile: LengthProfile, scale: float) -> LengthProfile:
+    """The profile with its median overall length times `scale` (ratio and spread unchanged)."""
+    if not scale > 0:
+        raise ValueError(f"length scale must be positive, got {scale}")
+    return replace(profile, median_total=profile.median_total * scale)
+
+
+def synthetic_workload(
+    name: str,
+    n_examples: int,
+    examples_per_step: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    length_scale: float = 1.0,
+    max_length: int | None = None,
+    num_responses: int = 2,
+) -> Workload:
+    """`n_examples` seeded synthetic examples of the named paper profile, grouped into steps."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    prof = PROFILES[name]
+    examples = synthetic_examples(
+        scaled_profile(prof, length_scale), n_examples, vocab_size=vocab_size, seed=seed,
+        num_responses=num_responses, max_length=max_length,
+    )
+    return Workload(name, examples, fixed_groups(len(examples), examples_per_step), prof, length_scale)
+
+
+def dataset_workload(
+    dataset: str,
+    tokenizer_name: str,
+    n_examples: int,
+    examples_per_step: int,
+    *,
+    split: str = "train",
+    max_length: int | None = None,
+    vocab_size: int | None = None,
+    trust_remote_code: bool = False,
+) -> Workload:
+    """A real dataset through the real data pipeline (`prefixdpo.data.prepare.prepare_examples`).
+
+    vocab_size: the benchmark model's vocabulary; token ids at or above it are an error (a real
+    tokenizer needs a real model, `--model`, or a default model with a big enough vocabulary).
+    """
+    try:
+        from prefixdpo.data.prepare import DataOptions, prepare_examples
+    except ImportError as err:  # the data pipeline is optional for synthetic runs
+        raise ValueError(f"--dataset needs prefixdpo.data.prepare, which is not available: {err}") from None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
+    options = DataOptions(max_length=max_length, max_samples=n_examples, split=split, invalid="skip")
+    prepared = prepare_examples(dataset, tokenizer, options)
+    examples = list(prepared.examples)
+    if not examples:
+        raise ValueError(f"dataset {dataset!r}: no usable examples ({prepared.report.summary()})")
+    if vocab_size is not None:
+        for i, ex in enumerate(examples):
+            top = max(max(ex.prompt_ids), *(max(r) for r in ex.response_ids))
+            if top >= vocab_size:
+                raise ValueError(
+                    f"record {ex.source_index if ex.source_index >= 0 else i}: token id {top} >= the model's "
+                    f"vocabulary {vocab_size}; pass --model with this tokenizer's model"
+                )
+    name = dataset.rstrip("/").split("/")[-1]
+    return Workload(name, examples, fixed_groups(len(examples), examples_per_step), None, 1.0, "dataset",
+                    [prepared.report.summary()])
