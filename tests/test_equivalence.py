@@ -75,3 +75,37 @@ def test_encoder_decoder_refused():
     model = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
         prepare_model(model, "sdpa")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", ["unpacked", "packed+padding"])
+def test_segmented_backend_matches_separate_passes(arch, case):
+    result = compare(tiny_model(arch), random_examples(), packs=CASES[case], backend="segmented", pad_multiple=8)
+    assert result.logp_diff < LOGP_TOL and result.grad_diff < GRAD_TOL, result
+
+
+def test_segmented_plan_covers_only_allowed_pairs():
+    """Every (query, key) pair the plan computes is allowed by the dense rule, and every allowed pair is computed."""
+    from prefixdpo.attention.masks import dense_mask
+    from prefixdpo.attention.segments import build_segment_plan
+
+    batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
+    B, L = batch.doc_ids.shape
+    plan = build_segment_plan(batch.doc_ids, batch.branch_ids)
+    covered = torch.zeros(B * L, B * L, dtype=torch.bool)
+    q_at = k_at = 0
+    for g in plan.groups:
+        q = plan.q_index[q_at:q_at + g.num_segments * g.num_queries].view(g.num_segments, g.num_queries)
+        k = plan.kv_index[k_at:k_at + g.num_segments * g.num_keys].view(g.num_segments, g.num_keys)
+        q_at += q.numel()
+        k_at += k.numel()
+        for s in range(g.num_segments):
+            m = g.mask[s, 0]
+            for i in range(g.num_queries):
+                real_query = plan.out_index[q[s, i]] == q_at - q.numel() + s * g.num_queries + i
+                if real_query:
+                    covered[q[s, i], k[s][m[i]]] = True
+    dense = dense_mask(batch.doc_ids, batch.branch_ids)[:, 0]
+    expected = torch.block_diag(*[dense[b] for b in range(B)])
+    real = (batch.doc_ids >= 0).flatten()
+    assert torch.equal(covered[real][:, real], expected[real][:, real])

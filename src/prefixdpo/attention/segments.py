@@ -1,0 +1,182 @@
+"""Segmented attention: compute only the query-key blocks the prefix-sharing rule allows.
+
+A dense `[L, L]` mask makes SDPA compute every query-key pair of a line, allowed or not. Here each
+document is cut into *segments* whose allowed keys are contiguous in a small gathered sequence:
+
+- the prompt and the first response: queries = keys = `[prompt][response 1]`, plain causal;
+- every later response k: queries = `[response k]`, keys = `[prompt][response k]`, causal aligned
+  bottom-right (query i sees the whole prompt and response tokens 0..i).
+
+Segments of similar size are gathered into padded groups and run through SDPA, and the outputs are
+scattered back to their line positions. The math per query is the same softmax over the same keys in
+the same order as the dense rule, so results agree to float rounding.
+
+The plan (index tensors) is built once per batch and reused by every layer, for the policy and the
+reference pass alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SegmentGroup:
+    """S segments padded to Lq queries and Lk keys; `mask` [S, 1, Lq, Lk] bool, True = may attend
+    (padded queries attend key 0 so no softmax row is empty)."""
+
+    num_segments: int
+    num_queries: int
+    num_keys: int
+    mask: torch.Tensor
+
+
+@dataclass
+class SegmentPlan:
+    """All segment groups of a [B, L] batch, with flat gather indices shared by every layer.
+
+    q_index:  [Q] flat token index (b * L + t) of every padded query slot, groups concatenated
+    kv_index: [K] flat token index of every padded key slot, groups concatenated
+    out_index:[B * L] row of the concatenated output holding each token's result; padding tokens
+              point at an extra all-zero row (index Q) so they get zeros
+    """
+
+    batch_size: int
+    length: int
+    groups: list[SegmentGroup]
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    out_index: torch.Tensor
+
+def _segments(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """(query flat indices, key flat indices) per segment, in line order."""
+    B, L = doc_ids.shape
+    doc = doc_ids.tolist()
+    branch = branch_ids.tolist()
+    out: list[tuple[list[int], list[int]]] = []
+    for b in range(B):
+        base = b * L
+        t = 0
+        while t < L:
+            d = doc[b][t]
+            if d < 0:
+                t += 1
+                continue
+            start = t
+            while t < L and doc[b][t] == d:
+                t += 1
+            # runs of equal branch id within the document [start, t)
+            runs: list[tuple[int, int, int]] = []
+            s = start
+            for u in range(start + 1, t + 1):
+                if u == t or branch[b][u] != branch[b][s]:
+                    runs.append((branch[b][s], s, u))
+                    s = u
+            prompt = [r for r in runs if r[0] == 0]
+            if len(prompt) != 1 or runs[0][0] != 0:
+                raise ValueError("segmented attention needs each document to start with one shared prompt run")
+            p0, p1 = prompt[0][1], prompt[0][2]
+            responses = runs[1:]
+            first_end = responses[0][2] if responses else p1
+            first = list(range(base + p0, base + first_end))
+            out.append((first, first))
+            for _, r0, r1 in responses[1:]:
+                keys = list(range(base + p0, base + p1)) + list(range(base + r0, base + r1))
+                out.append((list(range(base + r0, base + r1)), keys))
+    return out
+
+
+def _group(segs: list[tuple[list[int], list[int]]], waste: float) -> list[list[int]]:
+    """Indices of segments grouped so padding adds at most ~`waste` of the real work.
+
+    Prompt-and-first-response segments (as many queries as keys) and later-response segments (few
+    queries, many keys) never share a group: padding one shape to the other would cost more than the
+    attention it replaces.
+    """
+    groups: list[list[int]] = []
+    for square in (True, False):
+        kind = [i for i, (q, k) in enumerate(segs) if (len(q) == len(k)) == square]
+        order = sorted(kind, key=lambda i: (len(segs[i][1]), len(segs[i][0])), reverse=True)
+        current: list[int] = []
+        real = lq = lk = 0
+        for i in order:
+            q, k = len(segs[i][0]), len(segs[i][1])
+            new_lq, new_lk, new_real = max(lq, q), max(lk, k), real + q * k
+            if current and (len(current) + 1) * new_lq * new_lk > (1 + waste) * new_real:
+                groups.append(current)
+                current, new_lq, new_lk, new_real = [], q, k, q * k
+            current.append(i)
+            lq, lk, real = new_lq, new_lk, new_real
+        if current:
+            groups.append(current)
+    return groups
+
+
+def build_segment_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, waste: float = 0.25) -> SegmentPlan:
+    """Plan segmented attention for [B, L] doc/branch ids (see module docstring)."""
+    B, L = doc_ids.shape
+    segs = _segments(doc_ids.cpu(), branch_ids.cpu())
+    groups = []
+    q_index: list[int] = []
+    kv_index: list[int] = []
+    out_index = [-1] * (B * L)
+    for members in _group(segs, waste):
+        Lq = max(len(segs[i][0]) for i in members)
+        Lk = max(len(segs[i][1]) for i in members)
+        mask = torch.zeros(len(members), 1, Lq, Lk, dtype=torch.bool)
+        for s, i in enumerate(members):
+            q, k = segs[i]
+            nq, nk = len(q), len(k)
+            for j, token in enumerate(q):
+                out_index[token] = len(q_index) + j
+            q_index.extend(q + [q[0]] * (Lq - nq))
+            kv_index.extend(k + [k[0]] * (Lk - nk))
+            # bottom-right causal: query i sees keys 0 .. (nk - nq) + i
+            qi = torch.arange(nq)[:, None]
+            kj = torch.arange(nk)[None, :]
+            mask[s, 0, :nq, :nk] = kj <= qi + (nk - nq)
+            mask[s, 0, nq:, 0] = True
+        groups.append(SegmentGroup(len(members), Lq, Lk, mask.to(doc_ids.device)))
+    zero_row = len(q_index)
+    out_index = [zero_row if i < 0 else i for i in out_index]
+
+    def as_tensor(x):
+        return torch.tensor(x, dtype=torch.long, device=doc_ids.device)
+
+    return SegmentPlan(B, L, groups, as_tensor(q_index), as_tensor(kv_index), as_tensor(out_index))
+
+
+def segmented_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
+    *, scaling: float | None = None, dropout: float = 0.0,
+) -> torch.Tensor:
+    """query [B, H, L, D], key/value [B, Hkv, L, D] -> output [B, L, H, D] (transformers' layout).
+
+    One gather for all queries, one for all keys/values, one for the output: per-group gathers would
+    each allocate a full-size gradient buffer in backward. `index_select` rather than `t[idx]`: its
+    backward is `index_add`, far faster on CPU than the accumulating `index_put` of advanced indexing.
+    Positions outside every segment (padding) get zeros.
+    """
+    B, H, L, D = query.shape
+    Hkv, Dv = key.shape[1], value.shape[-1]
+    q_all = query.transpose(1, 2).reshape(B * L, H, D).index_select(0, plan.q_index)  # [Q, H, D]
+    k_all = key.transpose(1, 2).reshape(B * L, Hkv, D).index_select(0, plan.kv_index)  # [K, Hkv, D]
+    v_all = value.transpose(1, 2).reshape(B * L, Hkv, Dv).index_select(0, plan.kv_index)
+    outs = []
+    # torch.split, not slicing: a slice's backward fills a full-size zero buffer per group
+    q_parts = q_all.split([g.num_segments * g.num_queries for g in plan.groups])
+    k_parts = k_all.split([g.num_segments * g.num_keys for g in plan.groups])
+    v_parts = v_all.split([g.num_segments * g.num_keys for g in plan.groups])
+    for g, q, k, v in zip(plan.groups, q_parts, k_parts, v_parts):
+        S, Lq, Lk = g.num_segments, g.num_queries, g.num_keys
+        q = q.view(S, Lq, H, D).transpose(1, 2)
+        k = k.view(S, Lk, Hkv, D).transpose(1, 2)
+        v = v.view(S, Lk, Hkv, Dv).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=g.mask, dropout_p=dropout, scale=scaling, enable_gqa=Hkv != H,
+        )  # [S, H, Lq, Dv]
+        outs.append(o.transpose(1, 2).reshape(S * Lq, H, Dv))
+    outs.append(q_all.new_zeros(1, H, Dv))  # the row padding tokens read
+    return torch.cat(outs).index_select(0, plan.out_index).view(B, L, H, Dv)
