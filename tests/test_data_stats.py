@@ -72,3 +72,19 @@ def test_inspect_cli(tmp_path, tok_dir, capsys):
     assert err.strip() == "prefixdpo inspect: error: record 20: chosen and rejected are identical"
     with pytest.raises(SystemExit):
         main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "big"])
+
+
+def test_inspect_show_mask_draws_a_packed_line(tmp_path, tok_dir, capsys):
+    from PIL import Image
+
+    from prefixdpo.cli import main
+
+    data = tmp_path / "d.jsonl"
+    recs = [{"prompt": "Tell me about the sea. " * (1 + i % 3), "chosen": " It is wide.", "rejected": " It is dry."}
+            for i in range(10)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    png = tmp_path / "mask.png"
+    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "256", "--show-mask", str(png)]) == 0
+    assert "attention mask of one packed line written to" in capsys.readouterr().out
+    colours = {c for _, c in Image.open(png).convert("RGB").getcolors(1 << 20)}
+    assert len(colours) > 5  # prompt, responses, padding and not-allowed areas are told apart

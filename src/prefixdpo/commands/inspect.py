@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--model-config", default=None,
                    help="config.json or model directory for the FLOP model (default: Llama-3.1-8B's shape)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
+    p.add_argument("--show-mask", metavar="PNG", default=None,
+                   help="draw the attention mask of the first packed line (documents, prompt, branches, padding)")
     p.set_defaults(func=run)
 
 
@@ -94,4 +96,20 @@ def run(args) -> int:
         return 1
     stats = compute_stats(prepared.examples, args.pack_length, shape=shape, model_name=model_name)
     print(stats.format())
+    if args.show_mask:
+        print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
     return 0
+
+
+def _draw_first_line(examples, pack_length: int, path: str):
+    """Pack the examples that fit (first-fit, without shuffling) and draw the first packed line."""
+    from prefixdpo.attention.draw import draw_mask
+    from prefixdpo.data.batch import build_batch
+    from prefixdpo.data.packing import plan_packs
+
+    fitting = [e for e in examples if e.shared_length <= pack_length][:64]
+    if not fitting:
+        raise ValueError(f"no example fits the pack length {pack_length}; pass a larger --pack-length")
+    first = plan_packs([e.shared_length for e in fitting], pack_length, shuffle=False)[0]
+    batch = build_batch([fitting[i] for i in first], packs=[list(range(len(first)))], length=pack_length)
+    return draw_mask(batch, path)
