@@ -11,6 +11,7 @@ minute). CUDA: bf16, compiled FlexAttention, the paper's lengths and an 8-layer 
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=None, help="uncounted passes first")
     p.add_argument("--length-scale", type=float, default=None,
                    help="multiply the profiles' median lengths (1 = the paper's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores left idle by the 1-minute load average, >= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -67,6 +69,18 @@ def _setting(args, name: str, cuda: bool):
         return value
     default, quick, on_cuda = _PRESETS[name]
     return quick if args.quick else (on_cuda if cuda else default)
+
+
+def _idle_cores() -> int:
+    """Cores not busy with other processes. OpenMP threads beyond the idle cores spin at every barrier
+    waiting for a descheduled sibling: measured here, a step took 3 s with 2 threads on a 2-core machine
+    busy with two other jobs, and 0.04 s with 1 thread."""
+    cores = os.cpu_count() or 1
+    try:
+        busy = int(round(os.getloadavg()[0]))
+    except OSError:
+        busy = 0
+    return max(1, min(cores, cores - busy))
 
 
 def _workloads(args, settings, vocab_size: int):
@@ -107,8 +121,7 @@ def run(args) -> int:
     for k in ("examples", "per_step", "repeats"):
         if settings[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or _idle_cores())
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = "flex" if cuda else "sdpa"
     model = args.model or SHAPES[settings["model_size"]]

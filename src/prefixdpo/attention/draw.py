@@ -1,0 +1,85 @@
+"""Draw the attention mask of one packed batch line as a PNG: the picture to check before trusting it.
+
+Each allowed (query, key) cell is coloured by what the key is: the shared prompt of its document, or
+a response branch (one colour per branch index); forbidden cells are white; cells of padding queries
+or keys are grey. Document boundaries are drawn as lines. The mask drawn is `masks.dense_mask`, the
+same rule every backend uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from prefixdpo.attention.masks import dense_mask
+from prefixdpo.data.batch import Batch
+
+__all__ = ["MASK_COLOURS", "mask_image", "draw_mask"]
+
+# RGB in 0..255: forbidden, padding, prompt, then branches 1, 2, 3, ... (cycled)
+MASK_COLOURS = {
+    "forbidden": (255, 255, 255),
+    "padding": (190, 190, 190),
+    "prompt": (33, 102, 172),
+    "branches": [(230, 97, 1), (77, 175, 74), (152, 78, 163), (228, 26, 28), (166, 86, 40), (247, 129, 191)],
+}
+
+
+def mask_image(batch: Batch, line: int = 0) -> np.ndarray:
+    """RGB image [L, L, 3] uint8 of line `line` of `batch` (rows = queries, columns = keys)."""
+    doc = batch.doc_ids[line : line + 1].cpu()
+    branch = batch.branch_ids[line : line + 1].cpu()
+    allowed = dense_mask(doc, branch)[0, 0].numpy()  # [L, L]
+    doc, branch = doc[0].numpy(), branch[0].numpy()
+    L = doc.shape[0]
+    img = np.empty((L, L, 3), dtype=np.uint8)
+    img[:] = MASK_COLOURS["forbidden"]
+    pad = (doc < 0)
+    img[pad[:, None] | pad[None, :]] = MASK_COLOURS["padding"]
+    real = allowed & ~pad[:, None] & ~pad[None, :]
+    key_colour = np.empty((L, 3), dtype=np.uint8)
+    key_colour[:] = MASK_COLOURS["prompt"]
+    branches = MASK_COLOURS["branches"]
+    for b in np.unique(branch[branch > 0]):
+        key_colour[branch == b] = branches[(int(b) - 1) % len(branches)]
+    img[real] = np.broadcast_to(key_colour[None, :, :], (L, L, 3))[real]
+    return img
+
+
+def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None = None) -> Path:
+    """Write the mask of `batch`'s line `line` as a PNG at `path` (matplotlib, Agg); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not 0 <= line < batch.input_ids.shape[0]:
+        raise ValueError(f"line {line} is out of range: the batch has {batch.input_ids.shape[0]} lines")
+    img = mask_image(batch, line)
+    L = img.shape[0]
+    doc = batch.doc_ids[line].cpu().numpy()
+    fig, ax = plt.subplots(figsize=(6.4, 6.4))
+    ax.imshow(img, interpolation="nearest")
+    starts = [i for i in range(1, L) if doc[i] != doc[i - 1]]
+    for s in starts:  # document (and padding) boundaries
+        ax.axhline(s - 0.5, color="black", lw=0.6)
+        ax.axvline(s - 0.5, color="black", lw=0.6)
+    n_branches = int(batch.branch_ids[line].max())
+    handles = [Patch(color=np.array(MASK_COLOURS["prompt"]) / 255, label="prompt (shared)")]
+    handles += [Patch(color=np.array(MASK_COLOURS["branches"][(b - 1) % len(MASK_COLOURS["branches"])]) / 255,
+                      label=f"response {b}") for b in range(1, n_branches + 1)]
+    handles += [Patch(color=np.array(MASK_COLOURS["padding"]) / 255, label="padding"),
+                Patch(facecolor="white", edgecolor="black", label="not allowed")]
+    ax.legend(handles=handles, loc="upper right", fontsize=7)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    n_docs = len({int(d) for d in doc if d >= 0})
+    ax.set_title(title or f"line {line}: {n_docs} documents, {L} positions")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

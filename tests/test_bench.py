@@ -1,0 +1,122 @@
+"""prefixdpo bench: the four modes compute equal work (same losses), layouts are sound, a tiny run finishes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from prefixdpo.bench.modes import MODES, bucket_length, common_pack_length, layout_group
+from prefixdpo.bench.step import DPOStep, dpo_losses
+from prefixdpo.bench.workloads import fixed_groups, synthetic_workload
+from prefixdpo.forward import prepare_model
+
+
+@pytest.fixture(scope="module")
+def workload():
+    # lengths ~ 0.05 x tulu-helpsteer: prompts ~33, responses ~5 tokens, 6 examples in steps of 3
+    return synthetic_workload("tulu-helpsteer", 6, 3, vocab_size=96, seed=1, length_scale=0.05)
+
+
+def test_groups_are_fixed_and_cover_every_example():
+    assert fixed_groups(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    with pytest.raises(ValueError):
+        fixed_groups(3, 0)
+
+
+def test_bucket_length_has_few_values():
+    assert [bucket_length(n) for n in (1, 128, 129, 300, 400, 600, 900, 1100, 2000)] == [
+        128, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert len({bucket_length(n) for n in range(1, 4097)}) == 10  # 128 .. 4096
+
+
+def test_layouts_hold_the_same_targets_and_respect_the_pack_length(workload):
+    L = common_pack_length(workload.examples)
+    group = [workload.examples[i] for i in workload.groups[0]]
+    batches = {m: layout_group(group, m, pack_length=L) for m in MODES}
+    # every mode predicts exactly the same response tokens, grouped into the same responses and pairs
+    for m, b in batches.items():
+        assert torch.equal(b.target_ids.sort().values, batches["shared"].target_ids.sort().values), m
+        assert torch.equal(b.response_lengths, batches["shared"].response_lengths), m
+        assert torch.equal(b.pair_better, batches["shared"].pair_better), m
+    for m in ("paired-packed", "shared-packed"):
+        assert batches[m].input_ids.shape[1] == L
+    # standard modes run the prompt once per response, shared modes once
+    standard_tokens = sum(ex.unshared_length for ex in group)
+    shared_tokens = sum(ex.shared_length for ex in group)
+    assert batches["paired"].num_real_tokens == batches["paired-packed"].num_real_tokens == standard_tokens
+    assert batches["shared"].num_real_tokens == batches["shared-packed"].num_real_tokens == shared_tokens
+    # paired-packed: each [prompt][response] sequence is its own document (2 per example here)
+    docs = sum(len(set(line[line >= 0].tolist())) for line in batches["paired-packed"].doc_ids)
+    assert docs == 2 * len(group)
+    assert batches["paired"].input_ids.shape[0] == 2 * len(group)
+    assert batches["shared"].input_ids.shape[0] == len(group)
+
+
+def test_modes_compute_the_same_losses(workload):
+    """Equal work: on the same examples every mode gives the same per-pair DPO losses (fp32, 1e-5)."""
+    policy = tiny_model("llama")
+    reference = tiny_model("llama", initializer_range=0.02)
+    with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
+        for p in reference.parameters():
+            p.mul_(0.9)
+    prepare_model(policy, "sdpa")
+    prepare_model(reference, "sdpa")
+    L = common_pack_length(workload.examples)
+    for group in workload.groups:
+        examples = [workload.examples[i] for i in group]
+        losses = {m: dpo_losses(policy, reference, layout_group(examples, m, pack_length=L), backend="sdpa")
+                  for m in MODES}
+        base = losses["paired"]
+        assert base.shape == (len(examples),)
+        assert (base - 0.6931).abs().max() > 1e-3  # the check below compares something
+        for m, loss in losses.items():
+            torch.testing.assert_close(loss, base, rtol=1e-5, atol=1e-5, msg=f"mode {m}")
+
+
+def test_step_updates_the_policy_only(workload):
+    policy, reference = tiny_model("llama"), tiny_model("llama")
+    reference.requires_grad_(False)
+    prepare_model(policy, "sdpa")
+    prepare_model(reference, "sdpa")
+    before_p = [p.detach().clone() for p in policy.parameters()]
+    before_r = [p.detach().clone() for p in reference.parameters()]
+    batch = layout_group(workload.examples[:3], "shared-packed", pack_length=common_pack_length(workload.examples))
+    loss = DPOStep(policy, reference, backend="sdpa", lr=1e-3).step(batch)
+    assert loss == pytest.approx(0.6931, abs=1e-3)  # policy == reference: every margin is 0
+    assert any(not torch.equal(a, b) for a, b in zip(before_p, policy.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before_r, reference.parameters()))
+
+
+def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path):
+    from prefixdpo.cli import main
+
+    out = tmp_path / "res"
+    rc = main(["bench", "--quick", "--profiles", "hh-rlhf", "--examples", "4", "--per-step", "2",
+               "--repeats", "2", "--warmup", "0", "--length-scale", "0.1", "--threads", "1",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    md = (out / "bench.md").read_text()
+    assert "| hh-rlhf | shared-packed |" in md and "paper packed" in md
+    data = json.loads((out / "bench.json").read_text())
+    assert [p["name"] for p in data["profiles"]] == ["hh-rlhf"]
+    for prof in data["profiles"]:
+        assert set(prof["modes"]) == set(MODES)
+        assert prof["ideal"] > 1.0
+        for mode in prof["modes"].values():
+            assert mode["pairs_per_s"]["min"] <= mode["pairs_per_s"]["median"] <= mode["pairs_per_s"]["max"]
+            assert mode["pairs_per_s"]["min"] > 0 and len(mode["seconds"]) == 2
+        assert prof["achieved_over_ideal"] == pytest.approx(
+            prof["speedups"]["shared_packed_vs_paired_packed"]["median"] / prof["ideal"])
+        # shared modes run fewer tokens than standard ones on the same examples
+        assert prof["modes"]["shared"]["tokens"] < prof["modes"]["paired"]["tokens"]
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_rejects_an_unknown_profile(tmp_path, capsys):
+    from prefixdpo.cli import main
+
+    assert main(["bench", "--profiles", "nope", "--out", str(tmp_path), "--no-progress", "--quick"]) == 2
+    assert "unknown profile 'nope'" in capsys.readouterr().err
