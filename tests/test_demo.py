@@ -99,3 +99,38 @@ def test_short_default_run_via_cli(tmp_path, capsys):
     base = AutoModelForCausalLM.from_pretrained(out / "demo-base" / "model")
     moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters()))
     assert moved, "training changed no weight"
+
+
+def test_demo_defaults_yield_to_yaml_and_command_line(tmp_path):
+    from prefixdpo.commands.train import DEMO_DEFAULTS, _translate, _with_demo_defaults
+    from prefixdpo.config import parse_train_args
+
+    cfg, _, _ = parse_train_args(_with_demo_defaults([]))
+    assert cfg.learning_rate == float(DEMO_DEFAULTS["learning_rate"]) and cfg.max_grad_norm == 0
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("learning_rate: 0.0005\nbeta: 0.2\n")
+    cfg, _, _ = parse_train_args(_with_demo_defaults([str(yaml_file), "--beta", "0.3", "--num-train-epochs=1"]))
+    assert (cfg.learning_rate, cfg.beta, cfg.num_train_epochs) == (0.0005, 0.3, 1)
+    assert cfg.per_device_train_batch_size == int(DEMO_DEFAULTS["per_device_train_batch_size"])
+    _, model_args, data_args = parse_train_args(_translate(["--model", "m", "--dataset=d.jsonl"]))
+    assert (model_args.model_name_or_path, data_args.dataset_name) == ("m", "d.jsonl")
+
+
+def test_train_on_a_given_model_and_dataset_by_path(tmp_path, capsys):
+    """Any HF model directory and record file work by path (here: the default's saved artifacts)."""
+    base = build_demo(tmp_path / "base")
+    out = tmp_path / "out"
+    code = main(["train", "--model", str(base.model_dir), "--dataset", str(base.train_file), "--max-samples", "32",
+                 "--max-steps", "2", "--per-device-train-batch-size", "8", "--learning-rate", "1e-3",
+                 "--output-dir", str(out), "--disable-tqdm", "true"])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "Loaded 32 records, kept 32 examples" in stdout and "No held-out split" in stdout
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert not (out / "demo-base").exists()  # nothing of the default was built
+
+
+def test_missing_dataset_file_is_one_line_error(tmp_path, capsys):
+    assert main(["train", "--dataset", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # (progress bars of the default model's build come first)
+    assert "nope.jsonl" in err[-1] and sum("error" in line for line in err) == 1

@@ -19,7 +19,7 @@ import time
 # before the policy learns to read the instruction, so: a large constant learning rate, no gradient
 # clipping (clipping at 1.0 roughly halved progress in the measured runs), two epochs (250 steps).
 DEMO_DEFAULTS: dict[str, str] = {
-    "output_dir": "prefixdpo-demo",
+    "output_dir": "prefixdpo-output/demo",  # under the git-ignored default output folder
     "learning_rate": "2e-3",
     "lr_scheduler_type": "constant",
     "max_grad_norm": "0",
