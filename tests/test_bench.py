@@ -55,20 +55,24 @@ def test_layouts_hold_the_same_targets_and_respect_the_pack_length(workload):
     assert batches["shared"].input_ids.shape[0] == len(group)
 
 
-def test_modes_compute_the_same_losses(workload):
-    """Equal work: on the same examples every mode gives the same per-pair DPO losses (fp32, 1e-5)."""
+@pytest.mark.parametrize("backend,line_per_step", [("sdpa", False), ("segmented", True)])
+def test_modes_compute_the_same_losses(workload, backend, line_per_step):
+    """Equal work: on the same examples every mode gives the same per-pair DPO losses (fp32, 1e-5),
+    with bin-packed lines (dense mask) and with one line per step (segmented attention)."""
     policy = tiny_model("llama")
     reference = tiny_model("llama", initializer_range=0.02)
     with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
         for p in reference.parameters():
             p.mul_(0.9)
-    prepare_model(policy, "sdpa")
-    prepare_model(reference, "sdpa")
-    L = common_pack_length(workload.examples)
+    prepare_model(policy, backend)
+    prepare_model(reference, backend)
+    L = None if line_per_step else common_pack_length(workload.examples)
     for group in workload.groups:
         examples = [workload.examples[i] for i in group]
-        losses = {m: dpo_losses(policy, reference, layout_group(examples, m, pack_length=L), backend="sdpa")
+        losses = {m: dpo_losses(policy, reference, layout_group(examples, m, pack_length=L), backend=backend)
                   for m in MODES}
+        if line_per_step:
+            assert layout_group(examples, "shared-packed", pack_length=None).input_ids.shape[0] == 1
         base = losses["paired"]
         assert base.shape == (len(examples),)
         assert (base - 0.6931).abs().max() > 1e-3  # the check below compares something

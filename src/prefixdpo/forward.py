@@ -62,7 +62,7 @@ def check_model_supported(model, backend: str) -> None:
         raise UnsupportedModelError(
             f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA)"
         )
-    if backend == "sdpa" and not getattr(base, "_supports_sdpa", False):
+    if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False):
         raise UnsupportedModelError(f"{name} does not support SDPA attention")
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
         raise UnsupportedModelError(f"{name} does not support FlexAttention")

@@ -54,13 +54,15 @@ def layout_group(
     examples: Sequence[Example],
     mode: str,
     *,
-    pack_length: int,
+    pack_length: int | None,
     pad_token_id: int = 0,
     bucketed: bool = False,
 ) -> Batch:
     """Lay out one group of examples (one optimizer step) for `mode`.
 
-    pack_length: line length of the packed modes (see `common_pack_length`).
+    pack_length: line length of the packed modes (see `common_pack_length`); None = the whole group in
+                 ONE line, padded to a multiple of 128 (the paper's layout: one packed line per device
+                 batch; worth it only with an attention that skips masked blocks, segmented or flex).
     bucketed:    round padded line lengths up with `bucket_length` (CUDA/flex); else pad to the longest.
     The Batch's responses and pairs are in example order in every mode, so per-pair results compare.
     """
@@ -73,10 +75,15 @@ def layout_group(
         length = bucket_length(longest) if bucketed else None
         return build_batch(examples, prefix_sharing=sharing, pad_token_id=pad_token_id, length=length)
     if mode == "shared-packed":
+        if pack_length is None:
+            return build_batch(examples, prefix_sharing=True, packs=[list(range(len(examples)))],
+                               pad_token_id=pad_token_id, pad_multiple=128)
         packs = plan_packs([ex.shared_length for ex in examples], pack_length, shuffle=False)
         return build_batch(examples, prefix_sharing=True, packs=packs, pad_token_id=pad_token_id, length=pack_length)
     # paired-packed: every [prompt][response] sequence is its own packing unit (and document).
     units = [(e, row) for e, ex in enumerate(examples) for row in separate_rows(ex)]
+    if pack_length is None:
+        return collate_lines(examples, [units], pad_token_id=pad_token_id, pad_multiple=128)
     packs = plan_packs([len(row) for _, row in units], pack_length, shuffle=False)
     lines = [[units[u] for u in pack] for pack in packs]
     return collate_lines(examples, lines, pad_token_id=pad_token_id, length=pack_length)

@@ -115,16 +115,18 @@ def run_workload(
     modes=MODES,
     progress=None,
     pad_token_id: int = 0,
+    line_per_step: bool = False,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
     progress: a tqdm-like object with `update(n)` (one unit per step), or None.
+    line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = torch.device(device)
     examples = workload.examples
-    pack_length = common_pack_length(examples)
+    pack_length = None if line_per_step else common_pack_length(examples)
     bucketed = dev.type == "cuda"
 
     batches: dict[str, list] = {}

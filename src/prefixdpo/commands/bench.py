@@ -48,6 +48,12 @@ def register(subparsers) -> None:
     p.add_argument("--model-size", default=None, choices=["default", "quick", "medium"],
                    help="built-in random Llama-shaped model size")
     p.add_argument("--device", default="cpu", help="cpu (fp32, SDPA) or cuda (bf16, compiled FlexAttention)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "segmented", "flex"],
+                   help="attention backend for every mode (auto: flex on CUDA, segmented on CPU)")
+    p.add_argument("--packing", default="auto", choices=["auto", "lines", "step"],
+                   help="packed modes: 'lines' = bin-pack into lines of the common pack length; 'step' = each "
+                        "step's examples in one line (needs an attention that skips masked blocks); "
+                        "auto = step unless the attention is sdpa")
     p.add_argument("--examples", type=int, default=None, help="examples per profile")
     p.add_argument("--per-step", type=int, default=None, help="examples per optimizer step (same in every mode)")
     p.add_argument("--repeats", type=int, default=None, help="counted passes over the examples")
@@ -123,7 +129,8 @@ def run(args) -> int:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
     torch.set_num_threads(args.threads or _idle_cores())
     dtype = torch.bfloat16 if cuda else torch.float32
-    backend = "flex" if cuda else "sdpa"
+    backend = args.attention if args.attention != "auto" else ("flex" if cuda else "segmented")
+    line_per_step = args.packing == "step" or (args.packing == "auto" and backend != "sdpa")
     model = args.model or SHAPES[settings["model_size"]]
     policy, reference, shape = build_models(model, device=args.device, dtype=dtype, backend=backend,
                                             seed=args.seed, trust_remote_code=args.trust_remote_code)
@@ -138,21 +145,24 @@ def run(args) -> int:
         for w in workloads:
             bar.set_description(w.name)
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
-                                        warmup=settings["warmup"], progress=bar, pad_token_id=pad_id))
+                                        warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
+                                        line_per_step=line_per_step))
     elapsed = time.perf_counter() - t0
 
     model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "
                                 f"intermediate {shape.intermediate}, {shape.layers} layers, {shape.heads} heads "
                                 f"/ {shape.kv_heads} KV, head_dim {shape.head_dim}, vocab {shape.vocab}")
     meta = {
-        "device": (f"{args.device} ({torch.cuda.get_device_name()}), bf16, compiled FlexAttention" if cuda else
-                   f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-                   "fp32, SDPA with a dense boolean mask"),
+        "device": (f"{args.device} ({torch.cuda.get_device_name()}), bf16" if cuda else
+                   f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32")
+                  + f", attention backend '{backend}' in every mode",
         "model": model_desc,
         "settings": (f"{settings['examples']} examples per profile, {settings['per_step']} per optimizer step, "
                      f"{settings['warmup']} warm-up + {settings['repeats']} counted passes, modes interleaved "
-                     f"step by step; lengths x{settings['length_scale']:g} of the paper's medians; one pack "
-                     "length for both packed modes (1.1 x p95 of the shared rows, rounded up to 128)"),
+                     f"step by step; lengths x{settings['length_scale']:g} of the paper's medians; "
+                     + ("packed modes: each step's examples in one line, padded to a multiple of 128"
+                        if line_per_step else "one pack length for both packed modes (1.1 x p95 of the shared "
+                        "rows, rounded up to 128)")),
         "memory": PeakMemory(args.device).method,
         "timing": f"{elapsed:.0f} s; torch {torch.__version__}; collation (layout/packing) is not in the step time",
     }
