@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not argv:
         argv = ["train"]  # the embedded default: `prefixdpo` alone runs the demo training job
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "pass_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_argv = extra  # a pass-through command (train) parses these itself
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -9,7 +9,6 @@ spelled with dashes or underscores, from the YAML file or the command line (comm
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -34,27 +33,14 @@ DEMO_DEFAULTS: dict[str, str] = {
 USAGE = "prefixdpo train [config.yaml] [--model NAME_OR_PATH] [--dataset NAME_OR_PATH] [--output-dir DIR] [--OPTION VALUE ...]"
 
 
-class _ArgvParser(argparse.ArgumentParser):
-    """The `train` sub-parser: keeps its arguments raw for `parse_train_args`, which knows the hundred-odd
-    config options (argparse's own sub-parser would reject every option it was not told about)."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        namespace = namespace if namespace is not None else argparse.Namespace()
-        namespace.train_argv = list(args or [])
-        namespace.func = run
-        return namespace, []
-
-
 def register(subparsers) -> None:
-    saved = subparsers._parser_class
-    subparsers._parser_class = _ArgvParser
-    try:
-        subparsers.add_parser(
-            "train", add_help=False, usage=USAGE,
-            help="DPO-family training with prefix sharing (no arguments: the embedded demo)",
-        )
-    finally:
-        subparsers._parser_class = saved
+    # No options declared here: `prefixdpo.cli` hands every argument after `train` to us unparsed
+    # (`pass_through`), and `parse_train_args` knows the hundred-odd config options.
+    p = subparsers.add_parser(
+        "train", add_help=False, usage=USAGE,
+        help="DPO-family training with prefix sharing (no arguments: the embedded demo)",
+    )
+    p.set_defaults(func=run, pass_through=True)
 
 
 def _option_name(arg: str) -> str | None:
@@ -136,7 +122,7 @@ def _fmt(value) -> str:
 
 
 def run(args) -> int:
-    argv = list(getattr(args, "train_argv", []))
+    argv = list(getattr(args, "extra_argv", []))
     if any(a in ("-h", "--help") for a in argv):
         _print_help()
         return 0
