@@ -269,3 +269,4 @@ def test_parse_train_args_yaml_and_overrides(tmp_path):
         parse_train_args(["--no-such-option", "1"])
     with pytest.raises(ValueError, match="unknown loss_type"):
         PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["nope"])
+
