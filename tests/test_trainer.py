@@ -270,3 +270,14 @@ def test_parse_train_args_yaml_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="unknown loss_type"):
         PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["nope"])
 
+
+
+def test_gradient_checkpointing_and_segmented_attention_match_the_plain_run(tmp_path):
+    """Activation checkpointing (recompute in backward) and the segmented attention backend give the same
+    training run as the default dense-mask run without checkpointing."""
+    examples = make_examples(12, ks=(2, 3))
+    base, logs = train(config(tmp_path / "a", packing=True), examples)
+    other, other_logs = train(
+        config(tmp_path / "b", packing=True, activation_checkpointing=True, attention="segmented"), examples)
+    assert other.model.is_gradient_checkpointing
+    assert_same_run(other_logs, logs, weights(other), weights(base))
