@@ -80,19 +80,18 @@ def test_train_help_and_bad_option(capsys):
     assert "no_such_option" in err and len(err.splitlines()) == 1
 
 
-def test_short_default_run_via_cli(tmp_path, capsys):
-    """A shortened `prefixdpo train` (the embedded default, few steps): finishes, saves a loadable model,
-    reports held-out accuracy. (Learning needs the full run, `make demo`: ~100 steps sit near chance.)"""
+def test_full_default_run_via_cli_learns_the_preference(tmp_path, capsys):
+    """The whole embedded default (what `make demo` runs; ~25 s on 2 cores): finishes, saves a loadable
+    model, and reaches well-above-chance held-out reward accuracy (aim >= 0.8; measured 0.995)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    code = main(["train", "--output-dir", str(out), "--max-steps", "10", "--logging-steps", "5",
-                 "--disable-tqdm", "true"])
+    code = main(["train", "--output-dir", str(out), "--disable-tqdm", "true"])
     assert code == 0
     stdout = capsys.readouterr().out
     line = next(x for x in stdout.splitlines() if x.startswith("Held-out reward accuracy"))
     accuracy = float(line.split(":")[1].split()[0])
-    assert 0.0 <= accuracy <= 1.0, line
+    assert accuracy >= 0.8, line
     assert f"Model saved to {out}" in stdout
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == DemoSpec().num_layers
