@@ -47,3 +47,16 @@ def test_unshared_batch_has_one_line_per_response():
     batch = build_batch(exs, prefix_sharing=False)
     assert batch.input_ids.shape == (2, 4)
     assert batch.doc_ids.tolist() == [[0, 0, 0, -1], [0, 0, 0, 0]]
+
+
+def test_bucketed_lines_take_few_lengths():
+    """With bucket=True (flex on CUDA), unpacked line lengths fall on a handful of values."""
+    from prefixdpo.data.batch import bucket_length
+
+    lengths = set()
+    for n in range(1, 40):
+        ex = Example(list(range(1, n + 1)), [[5] * n, [6] * (n // 2 + 1)])
+        batch = build_batch([ex], bucket=True)
+        assert batch.input_ids.shape[1] == bucket_length(ex.shared_length) >= ex.shared_length
+        lengths.add(batch.input_ids.shape[1])
+    assert lengths == {128}

@@ -210,6 +210,7 @@ class PrefixDPOTrainer(Trainer):
             pack_length=None if str(a.pack_length) == "auto" else int(a.pack_length),
             pad_token_id=self.pad_token_id,
             pad_multiple=a.pad_to_multiple_of or 1,
+            bucket=resolve_backend(a.attention, a.device, needs_grad=train) == "flex",
             shuffle=train,
             seed=a.data_seed if a.data_seed is not None else a.seed,
             grad_accum=a.gradient_accumulation_steps if train else 1,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixdpo.data.batch import Batch, build_batch, collate_lines
+from prefixdpo.data.batch import Batch, bucket_length, build_batch, collate_lines
 from prefixdpo.data.example import Example
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
@@ -36,18 +36,6 @@ PACKED_MODES = ("paired-packed", "shared-packed")
 def common_pack_length(examples: Sequence[Example], multiple: int = 128) -> int:
     """The pack length both packed modes use: the paper's rule on the prefix-shared row lengths."""
     return auto_pack_length([ex.shared_length for ex in examples], multiple=multiple)
-
-
-def bucket_length(n: int, base: int = 128) -> int:
-    """Round `n` up to the next of a few lengths: base x {1, 2, 3, 4, 6, 8, 12, 16, ...} (steps of 1.5-2x).
-
-    Used on CUDA so compiled FlexAttention compiles once per bucket, not once per batch.
-    """
-    blocks = -(-int(n) // base)
-    size = 1
-    while size < blocks:  # 1, 2, 3, 4, 6, 8, 12, 16, ... : powers of two and 1.5 x powers of two
-        size = size * 3 // 2 if size >= 2 and size & (size - 1) == 0 else (size * 4 // 3 if size >= 3 else size + 1)
-    return size * base
 
 
 def layout_group(

@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--packing", default="auto", choices=["auto", "lines", "step"],
                    help="packed modes: 'lines' = bin-pack into lines of the common pack length; 'step' = each "
                         "step's examples in one line (needs an attention that skips masked blocks); "
-                        "auto = step unless the attention is sdpa")
+                        "auto = step with segmented attention, else lines")
     p.add_argument("--examples", type=int, default=None, help="examples per profile")
     p.add_argument("--per-step", type=int, default=None, help="examples per optimizer step (same in every mode)")
     p.add_argument("--repeats", type=int, default=None, help="counted passes over the examples")
@@ -130,7 +130,9 @@ def run(args) -> int:
     torch.set_num_threads(args.threads or _idle_cores())
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = args.attention if args.attention != "auto" else ("flex" if cuda else "segmented")
-    line_per_step = args.packing == "step" or (args.packing == "auto" and backend != "sdpa")
+    # One line per step only where attention skips masked blocks without compiling per shape: segmented.
+    # Flex compiles per line length, so on CUDA the packed modes keep the fixed common pack length.
+    line_per_step = args.packing == "step" or (args.packing == "auto" and backend == "segmented")
     model = args.model or SHAPES[settings["model_size"]]
     policy, reference, shape = build_models(model, device=args.device, dtype=dtype, backend=backend,
                                             seed=args.seed, trust_remote_code=args.trust_remote_code)

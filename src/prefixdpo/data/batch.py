@@ -77,6 +77,18 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def bucket_length(n: int, base: int = 128) -> int:
+    """Round `n` up to the next of a few lengths: base x {1, 2, 3, 4, 6, 8, 12, 16, ...} (steps of 1.5-2x).
+
+    Compiled FlexAttention (CUDA) compiles once per line length: bucketing keeps that to a handful.
+    """
+    blocks = -(-int(n) // base)
+    size = 1
+    while size < blocks:  # 1, 2, 3, 4, 6, 8, 12, 16, ... : powers of two and 1.5 x powers of two
+        size = size * 3 // 2 if size >= 2 and size & (size - 1) == 0 else (size * 4 // 3 if size >= 3 else size + 1)
+    return size * base
+
+
 def collate_lines(
     examples: Sequence[Example],
     lines: Sequence[Sequence[tuple[int, Row]]],
@@ -84,17 +96,24 @@ def collate_lines(
     pad_token_id: int = 0,
     length: int | None = None,
     pad_multiple: int = 1,
+    bucket: bool = False,
 ) -> Batch:
     """Build a Batch from lines of (example index, Row); every row of an example must be in this batch.
 
-    length: fixed line length (e.g. the pack length); default the longest line rounded up to pad_multiple.
+    length: fixed line length (e.g. the pack length); default the longest line rounded up to pad_multiple,
+            or to `bucket_length` when `bucket`.
     """
     response_offset = [0]
     for ex in examples:
         response_offset.append(response_offset[-1] + ex.num_responses)
 
     longest = max((sum(len(r) for _, r in line) for line in lines), default=1)
-    L = _round_up(max(longest, 1), pad_multiple) if length is None else length
+    if length is not None:
+        L = length
+    elif bucket:
+        L = bucket_length(max(longest, 1))
+    else:
+        L = _round_up(max(longest, 1), pad_multiple)
     if longest > L:
         raise ValueError(f"a line holds {longest} tokens, more than the line length {L}")
     B = len(lines)
@@ -155,8 +174,9 @@ def build_batch(
     pad_token_id: int = 0,
     length: int | None = None,
     pad_multiple: int = 1,
+    bucket: bool = False,
 ) -> Batch:
-    """Lay out and collate examples.
+    """Lay out and collate examples (length, pad_multiple, bucket: see `collate_lines`).
 
     packs: None = unpacked (every row its own padded line: one per example when sharing, K when not);
            else groups of example indices, one packed line per group (all rows of an example in its line).
@@ -169,4 +189,5 @@ def build_batch(
         seen = sorted(e for pack in packs for e in pack)
         if seen != list(range(len(examples))):
             raise ValueError("packs must hold every example of the batch exactly once")
-    return collate_lines(examples, lines, pad_token_id=pad_token_id, length=length, pad_multiple=pad_multiple)
+    return collate_lines(examples, lines, pad_token_id=pad_token_id, length=length, pad_multiple=pad_multiple,
+                         bucket=bucket)

@@ -35,6 +35,8 @@ class LoaderSettings:
     pack_length: line length when packing (None = `auto_pack_length` of the rows).
     grad_accum:  micro-batches per optimizer step (for the per-step pair totals).
     pad_multiple: unpacked lines are padded to a multiple of this.
+    bucket:      unpacked lines are padded to one of a few lengths (`bucket_length`), so compiled
+                 FlexAttention does not recompile for every batch.
     """
 
     batch_size: int = 1
@@ -43,6 +45,7 @@ class LoaderSettings:
     pack_length: int | None = None
     pad_token_id: int = 0
     pad_multiple: int = 1
+    bucket: bool = False
     shuffle: bool = True
     seed: int = 0
     grad_accum: int = 1
@@ -175,7 +178,8 @@ class MicroBatches(torch.utils.data.Dataset):
                                 pad_token_id=self.settings.pad_token_id, length=self.pack_length)
         else:
             batch = build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=None,
-                                pad_token_id=self.settings.pad_token_id, pad_multiple=self.settings.pad_multiple)
+                                pad_token_id=self.settings.pad_token_id, pad_multiple=self.settings.pad_multiple,
+                                bucket=self.settings.bucket)
         example_ids = torch.tensor(ids, dtype=torch.long)
         item = {
             "batch": batch,
