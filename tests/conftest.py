@@ -50,6 +50,22 @@ def random_examples(seed: int = 0, vocab: int = 96, shapes=((7, (5, 3)), (4, (6,
     return out
 
 
+def make_examples(n: int, seed: int = 0, ks=(2,)):
+    """n Examples with prompts of 4-13 tokens and K = ks[i % len(ks)] responses of 2-8 tokens each."""
+    import random
+
+    from prefixdpo.data.example import Example
+
+    g = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = ks[i % len(ks)]
+        prompt = [g.randrange(3, 96) for _ in range(g.randrange(4, 14))]
+        responses = [[g.randrange(3, 96) for _ in range(g.randrange(2, 9))] for _ in range(k)]
+        out.append(Example(prompt, responses, pairs=[(0, j) for j in range(1, k)], source_index=i))
+    return out
+
+
 @pytest.fixture
 def examples():
     return random_examples()

@@ -15,23 +15,12 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, random, sys
+    import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import tiny_model
+    from conftest import make_examples, tiny_model
     from prefixdpo.config import PrefixDPOConfig
-    from prefixdpo.data.example import Example
     from prefixdpo.trainer import PrefixDPOTrainer
-
-    def make(n, seed=0, ks=(2, 3)):
-        g = random.Random(seed)
-        out = []
-        for i in range(n):
-            k = ks[i % len(ks)]
-            p = [g.randrange(3, 96) for _ in range(g.randrange(4, 14))]
-            rs = [[g.randrange(3, 96) for _ in range(g.randrange(2, 9))] for _ in range(k)]
-            out.append(Example(p, rs, pairs=[(0, j) for j in range(1, k)], source_index=i))
-        return out
 
     out_dir, batch = sys.argv[1], int(sys.argv[2])
     results = {{}}
@@ -41,7 +30,7 @@ SCRIPT = textwrap.dedent(
             max_steps=-1, num_train_epochs=2, logging_steps=1, learning_rate=0.5, optim="sgd",
             lr_scheduler_type="constant", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, beta=0.5,
             report_to="none", ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None, **extra)
-        t = PrefixDPOTrainer(model=tiny_model("llama"), args=args, train_dataset=make(n))
+        t = PrefixDPOTrainer(model=tiny_model("llama"), args=args, train_dataset=make_examples(n, ks=(2, 3)))
         t.train()
         params = torch.cat([p.detach().flatten() for p in t.model.parameters()])
         results[name] = {{"loss": [h["loss"] for h in t.state.log_history if "loss" in h],

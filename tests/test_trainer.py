@@ -14,29 +14,16 @@ import copy
 import dataclasses
 import json
 import os
-import random
 
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import make_examples, tiny_model
 from prefixdpo.config import PrefixDPOConfig, parse_train_args
-from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.trainer import NonFiniteLossError, PrefixDPOTrainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-def make_examples(n: int, seed: int = 0, ks=(2,)) -> list[Example]:
-    g = random.Random(seed)
-    out = []
-    for i in range(n):
-        k = ks[i % len(ks)]
-        prompt = [g.randrange(3, 96) for _ in range(g.randrange(4, 14))]
-        responses = [[g.randrange(3, 96) for _ in range(g.randrange(2, 9))] for _ in range(k)]
-        out.append(Example(prompt, responses, pairs=[(0, j) for j in range(1, k)], source_index=i))
-    return out
 
 
 def config(tmp_path, **kw) -> PrefixDPOConfig:
