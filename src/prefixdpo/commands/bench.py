@@ -18,7 +18,7 @@ from pathlib import Path
 
 # setting -> (default, quick, cuda) where the three differ
 _PRESETS = {
-    "examples": (12, 8, 64),
+    "examples": (24, 8, 64),
     "per_step": (6, 4, 8),
     "repeats": (3, 2, 3),
     "warmup": (1, 1, 1),
