@@ -124,3 +124,25 @@ def test_bench_cli_rejects_an_unknown_profile(tmp_path, capsys):
 
     assert main(["bench", "--profiles", "nope", "--out", str(tmp_path), "--no-progress", "--quick"]) == 2
     assert "unknown profile 'nope'" in capsys.readouterr().err
+
+
+def test_bench_on_a_real_dataset_and_model_by_path(tmp_path):
+    """--dataset/--tokenizer/--model: records go through the real data pipeline, the model loads by path."""
+    from prefixdpo.cli import main
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+
+    records = [{"prompt": f"Question {i}: what comes after {i}? Think about it carefully.",
+                "chosen": f" {i + 1}.", "rejected": f" {i - 1}, I believe."} for i in range(8)]
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = build_tiny_tokenizer([r[k] for r in records for k in ("prompt", "chosen", "rejected")])
+    model_dir = tmp_path / "model"
+    tokenizer.save_pretrained(model_dir)
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    out = tmp_path / "res"
+    rc = main(["bench", "--dataset", str(data), "--model", str(model_dir), "--examples", "4", "--per-step", "2",
+               "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    prof = json.loads((out / "bench.json").read_text())["profiles"][0]
+    assert prof["examples"] == 4 and set(prof["modes"]) == set(MODES)
+    assert prof["modes"]["shared"]["tokens"] < prof["modes"]["paired"]["tokens"]

@@ -88,8 +88,11 @@ def _segments(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> list[tuple[lis
     return out
 
 
-def _group(segs: list[tuple[list[int], list[int]]], waste: float) -> list[list[int]]:
-    """Indices of segments grouped so padding adds at most ~`waste` of the real work.
+def _group(segs: list[tuple[list[int], list[int]]], waste: float, min_cells: int) -> list[list[int]]:
+    """Indices of segments grouped so padding adds at most ~`waste` of the real work plus `min_cells`
+    query-key cells: each group is one SDPA call (forward and backward, every layer), and a call's fixed
+    cost is worth about a 128 x 128 block of attention on CPU, so small segments are better padded
+    together than run alone.
 
     Prompt-and-first-response segments (as many queries as keys) and later-response segments (few
     queries, many keys) never share a group: padding one shape to the other would cost more than the
@@ -104,7 +107,7 @@ def _group(segs: list[tuple[list[int], list[int]]], waste: float) -> list[list[i
         for i in order:
             q, k = len(segs[i][0]), len(segs[i][1])
             new_lq, new_lk, new_real = max(lq, q), max(lk, k), real + q * k
-            if current and (len(current) + 1) * new_lq * new_lk > (1 + waste) * new_real:
+            if current and (len(current) + 1) * new_lq * new_lk > (1 + waste) * new_real + min_cells:
                 groups.append(current)
                 current, new_lq, new_lk, new_real = [], q, k, q * k
             current.append(i)
@@ -114,7 +117,9 @@ def _group(segs: list[tuple[list[int], list[int]]], waste: float) -> list[list[i
     return groups
 
 
-def build_segment_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, waste: float = 0.25) -> SegmentPlan:
+def build_segment_plan(
+    doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, waste: float = 0.25, min_cells: int = 128 * 128,
+) -> SegmentPlan:
     """Plan segmented attention for [B, L] doc/branch ids (see module docstring)."""
     B, L = doc_ids.shape
     segs = _segments(doc_ids.cpu(), branch_ids.cpu())
@@ -122,7 +127,7 @@ def build_segment_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, waste
     q_index: list[int] = []
     kv_index: list[int] = []
     out_index = [-1] * (B * L)
-    for members in _group(segs, waste):
+    for members in _group(segs, waste, min_cells):
         Lq = max(len(segs[i][0]) for i in members)
         Lk = max(len(segs[i][1]) for i in members)
         mask = torch.zeros(len(members), 1, Lq, Lk, dtype=torch.bool)

@@ -71,7 +71,8 @@ def markdown_report(results: list[ProfileResult], meta: dict) -> str:
               "FLOP split shared |", "|---|---|---|---|---|---|---|"]
     for r in results:
         fs = {k: "/".join(f"{v[p]:.0%}" for p in ("body", "attention", "lm_head")) for k, v in r.flop_split.items()}
-        lines.append(f"| {r.name} | {r.examples} | {r.steps} | {r.length_scale:g} | {r.pack_length} | "
+        pack = "one line per step" if r.pack_length is None else r.pack_length
+        lines.append(f"| {r.name} | {r.examples} | {r.steps} | {r.length_scale:.2f} | {pack} | "
                      f"{fs['standard']} | {fs['shared']} |")
     lines += ["", "ideal = useful forward FLOPs of standard DPO / of prefix sharing on the same examples (real "
               "tokens; matmuls + attention over allowed query-key pairs; LM head where a response token is "
