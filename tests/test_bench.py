@@ -57,10 +57,12 @@ def test_layouts_hold_the_same_targets_and_respect_the_pack_length(workload):
 
 @pytest.mark.parametrize("backend,line_per_step", [("sdpa", False), ("segmented", True)])
 def test_modes_compute_the_same_losses(workload, backend, line_per_step):
-    """Equal work: on the same examples every mode gives the same per-pair DPO losses (fp32, 1e-5),
-    with bin-packed lines (dense mask) and with one line per step (segmented attention)."""
-    policy = tiny_model("llama")
-    reference = tiny_model("llama", initializer_range=0.02)
+    """Equal work: on the same examples every mode gives the same per-pair DPO losses, with bin-packed
+    lines (dense mask) and with one line per step (segmented attention). In float64 (tolerance 1e-9):
+    layouts change only the order of float additions, which fp64 makes negligible, so any real
+    difference in what the modes compute stands out."""
+    policy = tiny_model("llama").double()
+    reference = tiny_model("llama", initializer_range=0.02).double()
     with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
         for p in reference.parameters():
             p.mul_(0.9)
@@ -77,7 +79,8 @@ def test_modes_compute_the_same_losses(workload, backend, line_per_step):
         assert base.shape == (len(examples),)
         assert (base - 0.6931).abs().max() > 1e-3  # the check below compares something
         for m, loss in losses.items():
-            torch.testing.assert_close(loss, base, rtol=1e-5, atol=1e-5, msg=f"mode {m}")
+            assert loss.dtype == torch.float64
+            torch.testing.assert_close(loss, base, rtol=1e-9, atol=1e-9, msg=lambda msg: f"mode {m}: {msg}")
 
 
 def test_step_updates_the_policy_only(workload):

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from prefixdpo.data.batch import Batch
 
-Head = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, D] -> logits [N, V] (fp32)
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, D] -> logits [N, V] (fp32 or fp64)
 
 
 class UnsupportedModelError(ValueError):
@@ -39,7 +39,9 @@ def lm_head_fn(model) -> Head:
     softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def apply(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden).float()
+        logits = head(hidden)
+        if logits.dtype in (torch.float16, torch.bfloat16):  # at least fp32 for the log-softmax
+            logits = logits.float()
         if scale_div is not None:
             logits = logits / scale_div
         if scale_mul is not None:
