@@ -61,10 +61,10 @@ def test_modes_compute_the_same_losses(workload, backend, line_per_step):
     lines (dense mask) and with one line per step (segmented attention). In float64 (tolerance 1e-9):
     layouts change only the order of float additions, which fp64 makes negligible (~1e-15).
 
-    Tolerance 1e-4, not 1e-9: about one run in 30, only under pytest and only so far on the dense-mask
-    variant, the `paired-packed` losses of the first group differ from `paired` by 1.8e-5 (the same value
-    each time), while recomputing the same batches in the same process agrees to every digit. Not yet
-    explained (an open defect). Layout errors are caught at 1e-5 on log-probs by test_equivalence.py."""
+    Tolerance 1e-4, not 1e-9: in 3 of ~150 pytest runs, all on the dense-mask variant, the first group's
+    `paired-packed` losses differed from `paired` (by 1.8e-5 both times it was measured in fp64), while
+    recomputing the same batches in the same process agreed to every digit. Not yet explained (an open
+    defect). Layout errors are caught at 1e-5 on log-probs by test_equivalence.py."""
     policy = tiny_model("llama").double()
     reference = tiny_model("llama", initializer_range=0.02).double()
     with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
