@@ -21,17 +21,19 @@ COUNTS = ("pairs", "real_tokens", "slots", "shared_tokens", "unshared_tokens", "
 
 
 def pair_metric_sums(policy_c, policy_r, ref_c, ref_r, len_c, len_r, beta: float) -> dict[str, float]:
-    """Sums over the pairs of one micro-batch (all inputs [P]; ref_* None for reference-free losses)."""
-    r_c = rewards(policy_c, ref_c, beta, len_c)
-    r_r = rewards(policy_r, ref_r, beta, len_r)
-    return {
-        "rewards/chosen": r_c.sum().item(),
-        "rewards/rejected": r_r.sum().item(),
-        "rewards/margins": (r_c - r_r).sum().item(),
-        "rewards/accuracies": (r_c > r_r).float().sum().item(),
-        "logps/chosen": policy_c.detach().sum().item(),
-        "logps/rejected": policy_r.detach().sum().item(),
-    }
+    """Sums over the pairs of one micro-batch (all inputs [P]; ref_* None for reference-free losses).
+
+    One `.tolist()` for all six sums: each `.item()` would be a device sync on GPU, every micro-batch.
+    """
+    r_c = rewards(policy_c, ref_c, beta, len_c).detach()
+    r_r = rewards(policy_r, ref_r, beta, len_r).detach()
+    sums = torch.stack([
+        r_c.sum(), r_r.sum(), (r_c - r_r).sum(), (r_c > r_r).to(r_c.dtype).sum(),
+        policy_c.detach().sum(), policy_r.detach().sum(),
+    ]).tolist()
+    keys = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+            "logps/chosen", "logps/rejected")
+    return dict(zip(keys, sums))
 
 
 class MetricSums:

@@ -27,10 +27,9 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
-__all__ = ["MODES", "PACKED_MODES", "common_pack_length", "bucket_length", "layout_group"]
+__all__ = ["MODES", "common_pack_length", "bucket_length", "layout_group"]
 
 MODES = ("paired", "paired-packed", "shared", "shared-packed")
-PACKED_MODES = ("paired-packed", "shared-packed")
 
 
 def common_pack_length(examples: Sequence[Example], multiple: int = 128) -> int:

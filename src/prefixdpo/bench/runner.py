@@ -29,7 +29,7 @@ from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
 
-__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload", "speedup_pairs"]
+__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
 
 # (faster mode, baseline mode, key): the paper's two tables, and prefix sharing + packing over TRL's default.
 SPEEDUPS = (
@@ -38,9 +38,6 @@ SPEEDUPS = (
     ("shared-packed", "paired", "shared_packed_vs_paired"),
 )
 
-
-def speedup_pairs() -> tuple[tuple[str, str, str], ...]:
-    return SPEEDUPS
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from prefixdpo.data.batch import PAD_DOC, Batch, build_batch
+from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.packing import auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank
 
@@ -185,7 +185,7 @@ class MicroBatches(torch.utils.data.Dataset):
             "batch": batch,
             "example_ids": example_ids,
             "step_pairs": total,
-            "real_tokens": int((batch.doc_ids != PAD_DOC).sum()),
+            "real_tokens": batch.num_real_tokens,
             "slots": batch.num_slots,
             # tokens run vs tokens standard paired DPO runs (equal when prefix sharing is off)
             "shared_tokens": sum(row_length(ex, self.settings.prefix_sharing) for ex in exs),
