@@ -53,9 +53,17 @@ class PrefixDPOConfig(TrainingArguments):
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin (TRL CPOConfig name)."})
     orpo_alpha: float = field(default=0.1, metadata={"help": "ORPO lambda weighting the odds-ratio term."})
     rpo_alpha: float | None = field(default=None, metadata={"help": "RPO: adds the chosen NLL ('sft') with this weight."})
-    max_length: int | None = field(default=1024, metadata={"help": "Max tokens of a prefix-shared row (prompt + all responses)."})
-    max_prompt_length: int | None = field(default=512, metadata={"help": "Max prompt tokens."})
-    truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end (cut the prompt start) or keep_start."})
+    max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Max tokens of each prompt + response sequence, as TRL (the prefix-shared row may be longer); "
+                          "None = no limit."},
+    )
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={"help": "Sequences over max_length: keep_start (cut the response end; drop examples whose prompt "
+                          "fills max_length) or keep_end (cut the prompt start), as TRL.",
+                  "choices": ["keep_end", "keep_start"]},
+    )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute reference log-probs once before training, cached on disk."}
     )
@@ -191,7 +199,6 @@ def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
     data = data or DataArguments()
     return DataOptions(
         max_length=config.max_length,
-        max_prompt_length=config.max_prompt_length,
         truncation_mode=config.truncation_mode,
         overlong=data.overlong,
         invalid=data.invalid,
@@ -200,7 +207,6 @@ def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
         split=data.dataset_train_split,
         eval_split=data.dataset_test_split,
         dataset_config=data.dataset_config,
-        seed=config.seed,
     )
 
 

@@ -1,6 +1,7 @@
 """The public entry point: `prepare_examples(source, tokenizer, options) -> PreparedData`.
 
-records -> validate (`formats`) -> tokenize, boundary-safe (`tokenize`) -> limit lengths (`truncate`) -> `Example`s,
+records -> validate (`formats`) -> tokenize, boundary-safe (`tokenize`) -> `max_length` per sequence (`truncate`)
+-> `Example`s,
 with every record accounted for in the `DataReport`:
 
     loaded == kept + skipped (by reason) + dropped (overlong)
@@ -25,22 +26,21 @@ _CHUNK = 1024  # records tokenized per batch call
 class DataOptions:
     """How records become examples. Names follow TRL's DPOConfig where it has the option.
 
-    max_length:        tokens in the whole prefix-shared row (prompt once + all responses); None = no limit.
-    max_prompt_length: tokens in the prompt; None = no limit.
-    truncation_mode:   "keep_end" (cut the prompt's start; default) or "keep_start" (keep the prompt whole).
-    overlong:          "truncate" or "drop" (examples over a limit).
+    max_length:        tokens in each `[prompt][response k]` sequence, as TRL 1.16 (the shared row may be
+                       longer); None = no limit. `PrefixDPOConfig` defaults it to TRL's 1024.
+    truncation_mode:   "keep_start" (TRL's default: cut responses' ends; drop an example whose prompt fills
+                       max_length) or "keep_end" (cut the prompt's start); see `truncate`.
+    overlong:          ours: "truncate" or "drop" (examples with a sequence over max_length).
     invalid:           "error" (raise `InvalidRecordError` on the first bad record) or "skip" (count it).
     pairs_policy:      multi-response records: "best_vs_worst" | "best_vs_each" | "all_pairs".
     max_samples:       use the first N records of the split.
     split, eval_split: split names; eval_split None = no eval set.
     add_eos:           append the EOS token text to string responses (as TRL); chat templates end turns themselves.
     dataset_config:    Hub dataset configuration name.
-    seed:              kept for later stages (packing order); preparation itself is deterministic.
     """
 
     max_length: int | None = None
-    max_prompt_length: int | None = None
-    truncation_mode: str = "keep_end"
+    truncation_mode: str = "keep_start"
     overlong: str = "truncate"
     invalid: str = "error"
     pairs_policy: str = "best_vs_worst"
@@ -49,7 +49,6 @@ class DataOptions:
     eval_split: str | None = None
     add_eos: bool = True
     dataset_config: str | None = None
-    seed: int = 0
 
     def __post_init__(self) -> None:
         check_policy(self.invalid)
@@ -60,10 +59,8 @@ class DataOptions:
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected one of {allowed}")
-        for name in ("max_length", "max_prompt_length"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
 
 
 @dataclass
@@ -74,7 +71,8 @@ class DataReport:
     kept:     examples produced.
     skipped:  invalid records by reason (only with invalid="skip").
     dropped:  valid examples dropped for length (overlong="drop", or a prompt that fills max_length).
-    truncated: kept examples that were cut to the limits.
+    drop_example: the first drop's message, `record <index>: <why>`.
+    truncated: kept examples with a sequence cut to max_length.
     boundary_adjusted: kept examples whose prompt, tokenized alone, ends differently from the full sequences
               (a BPE merge across the boundary, or a chat template rendering the prompt alone differently);
               the prompt is cut where they diverge and the responses carry the merged tokens.
@@ -88,6 +86,7 @@ class DataReport:
     skipped: Counter = field(default_factory=Counter)
     skip_examples: dict[str, str] = field(default_factory=dict)
     dropped: int = 0
+    drop_example: str = ""
     truncated: int = 0
     boundary_adjusted: int = 0
     boundary_tokens: int = 0
@@ -107,7 +106,7 @@ class DataReport:
             first = next(iter(sorted(self.skip_examples.items())))[1]
             parts.append(f"Skipped {self.skipped_total} invalid ({reasons}; e.g. {first}).")
         if self.dropped:
-            parts.append(f"Dropped {self.dropped} over the length limits.")
+            parts.append(f"Dropped {self.dropped} over max_length (e.g. {self.drop_example}).")
         if self.truncated:
             parts.append(f"Truncated {self.truncated}.")
         if self.boundary_adjusted:
@@ -148,13 +147,12 @@ def examples_from_records(records, tokenizer, options: DataOptions) -> tuple[lis
                 handle(tok, options.invalid, skips)
                 continue
             limited = truncate_row(
-                tok.prompt_ids, tok.response_ids, options.max_length, options.max_prompt_length,
-                options.truncation_mode, options.overlong,
+                tok.prompt_ids, tok.response_ids, options.max_length, options.truncation_mode, options.overlong
             )
-            if limited is None:
+            if limited.status == "dropped":
                 report.dropped += 1
+                report.drop_example = report.drop_example or f"record {record.index}: {limited.problem}"
                 continue
-            prompt_ids, response_ids, status = limited
             meta = {"format": record.format}
             if record.scores is not None:
                 meta["scores"] = tuple(record.scores)
@@ -162,10 +160,10 @@ def examples_from_records(records, tokenizer, options: DataOptions) -> tuple[lis
                 meta["boundary_adjusted"] = tok.boundary_adjusted
                 report.boundary_adjusted += 1
                 report.boundary_tokens += tok.boundary_adjusted
-            if status == "truncated":
+            if limited.status == "truncated":
                 meta["truncated"] = True
                 report.truncated += 1
-            examples.append(Example(prompt_ids, response_ids, tuple(record.pairs), record.index, meta))
+            examples.append(Example(limited.prompt, limited.responses, tuple(record.pairs), record.index, meta))
             report.formats[record.format] += 1
             report.unused_responses += record.unused
     report.kept = len(examples)
