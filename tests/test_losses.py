@@ -1,4 +1,4 @@
-"""Tests for prefixdpo.losses.
+"""Tests for prefixdpo.losses (pure loss functions) and prefixdpo.objective (registry, step context).
 
 Two kinds of reference values:
 
@@ -11,6 +11,9 @@ Two kinds of reference values:
 2. Hand-computed values: formulas written out in plain ``math`` on scalars, independent of both
    TRL and our torch code, for a few losses and for what TRL 1.16 does not have (cDPO smoothing,
    BCO's running mean, the alias name).
+3. Step splits: every loss is defined on the whole optimizer step's pairs; splitting the step into
+   micro-batches (and simulated ranks) with ``step_context(...).local(indices)`` must give the
+   one-batch value and gradients (float64, rtol 1e-6), and TRL's one-batch formula where TRL has it.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixdpo.losses import (
+from prefixdpo.losses import rewards
+from prefixdpo.objective import (
     LOSSES,
     REFERENCE_FREE,
     BCORunningMean,
     LossConfigError,
     LossParams,
     PairLogps,
+    StepContext,
+    StepPairs,
     combined_loss,
+    needs_step_pairs,
     pair_rewards,
-    rewards,
+    step_context,
 )
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -55,14 +62,11 @@ def _batch(seed: int = 0):
     per_token.requires_grad_(True)
     # reference = policy plus noise, so log-ratios are O(1)-O(5) as in training
     ref = (per_token.detach().sum(1) + 2.0 * torch.randn(2 * P, generator=g)).float()
-    # WPO's log sum_v p(v)^2 per token (any value <= 0 will do for the comparison)
-    log_sum_sq = -(0.5 + torch.rand(2 * P, T, generator=g))
-    return SimpleNamespace(lengths=lengths, shift_mask=shift_mask, per_token=per_token, ref=ref, log_sum_sq=log_sum_sq)
+    return SimpleNamespace(lengths=lengths, shift_mask=shift_mask, per_token=per_token, ref=ref)
 
 
-def _ours_inputs(b, with_ref: bool = True, with_wpo: bool = False) -> PairLogps:
+def _ours_inputs(b, with_ref: bool = True) -> PairLogps:
     sums = b.per_token.sum(dim=1)
-    wpo = ((b.per_token.detach() - b.log_sum_sq) * b.shift_mask).sum(1) / b.lengths.clamp(min=1)
     return PairLogps(
         policy_chosen_logps=sums[:P],
         policy_rejected_logps=sums[P:],
@@ -70,20 +74,21 @@ def _ours_inputs(b, with_ref: bool = True, with_wpo: bool = False) -> PairLogps:
         ref_rejected_logps=b.ref[P:] if with_ref else None,
         chosen_lengths=b.lengths[:P],
         rejected_lengths=b.lengths[P:],
-        chosen_wpo_logps=wpo[:P] if with_wpo else None,
-        rejected_wpo_logps=wpo[P:] if with_wpo else None,
     )
 
 
 def _trl_dpo_loss(b, loss_types, loss_weights=None, p: LossParams = LossParams()) -> torch.Tensor:
-    """TRL 1.16's DPOTrainer._compute_loss on batch ``b`` (scalar: sum_k w_k * mean_pairs(loss_k))."""
-    n_rows = 2 * P
+    """TRL 1.16's DPOTrainer._compute_loss on batch ``b`` (scalar: sum_k w_k * mean_pairs(loss_k)).
+
+    ``b.per_token`` ``[2P, T]`` (rows: chosen_0..P-1, rejected_0..P-1), ``b.shift_mask`` ``[2P, T]``,
+    ``b.ref`` ``[2P]``.
+    """
+    n_rows, n_tok = b.per_token.shape
     outputs = SimpleNamespace(
         log_probs=b.per_token,
-        entropy=torch.zeros(n_rows, T),
-        mean_logits=torch.zeros(n_rows, T),
-        is_top1=torch.zeros(n_rows, T, dtype=torch.bool),
-        log_sum_sq_probs=b.log_sum_sq,
+        entropy=torch.zeros(n_rows, n_tok),
+        mean_logits=torch.zeros(n_rows, n_tok),
+        is_top1=torch.zeros(n_rows, n_tok, dtype=torch.bool),
     )
     model = SimpleNamespace(training=True)
     model_call = lambda **kw: outputs  # noqa: E731
@@ -99,7 +104,7 @@ def _trl_dpo_loss(b, loss_types, loss_weights=None, p: LossParams = LossParams()
         loss_weights=loss_weights or [1.0] * len(loss_types),
         beta=p.beta,
         label_smoothing=p.label_smoothing,
-        use_weighting=p.use_weighting,
+        use_weighting=False,
         args=SimpleNamespace(discopop_tau=p.discopop_tau),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _total_train_tokens=0,
@@ -108,11 +113,11 @@ def _trl_dpo_loss(b, loss_types, loss_weights=None, p: LossParams = LossParams()
     # completion_mask covers input_ids: one prompt token, then the response
     completion_mask = torch.cat([torch.zeros(n_rows, 1, dtype=torch.long), b.shift_mask], dim=1)
     inputs = {
-        "input_ids": torch.zeros(n_rows, T + 1, dtype=torch.long),
-        "attention_mask": torch.ones(n_rows, T + 1, dtype=torch.long),
+        "input_ids": torch.zeros(n_rows, n_tok + 1, dtype=torch.long),
+        "attention_mask": torch.ones(n_rows, n_tok + 1, dtype=torch.long),
         "completion_mask": completion_mask,
-        "ref_chosen_logps": b.ref[:P],
-        "ref_rejected_logps": b.ref[P:],
+        "ref_chosen_logps": b.ref[: n_rows // 2],
+        "ref_rejected_logps": b.ref[n_rows // 2 :],
     }
     return DPOTrainer._compute_loss(stub, model_call, inputs, return_outputs=False)
 
@@ -121,7 +126,7 @@ def _assert_matches_trl(loss_types, loss_weights=None, p: LossParams = LossParam
     b = _batch(seed)
     want = _trl_dpo_loss(b, loss_types, loss_weights, p)
     (want_grad,) = torch.autograd.grad(want, b.per_token)
-    got, _ = combined_loss(loss_types, loss_weights, _ours_inputs(b, with_wpo=p.use_weighting), p)
+    got, _ = combined_loss(loss_types, loss_weights, _ours_inputs(b), p)
     got = got.mean()
     (got_grad,) = torch.autograd.grad(got, b.per_token)
     assert torch.isfinite(want) and want.abs() > 1e-4, "degenerate reference value"
@@ -165,12 +170,6 @@ def test_f_divergence_matches_trl(fdiv, loss_type):
 def test_weighted_combination_matches_trl():
     # MPO-style mix, weights as in TRL's docs
     _assert_matches_trl(["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], seed=2)
-
-
-# not sft: TRL 1.16 multiplies its expanded sft tensor in place and raises (ours works)
-@pytest.mark.parametrize("loss_types", [["sigmoid"], ["ipo", "discopop"], ["apo_down"]])
-def test_wpo_weighting_matches_trl(loss_types):
-    _assert_matches_trl(loss_types, p=LossParams(use_weighting=True), seed=3)
 
 
 def test_simpo_matches_trl_cpo():
@@ -256,12 +255,19 @@ def test_hand_values_simpo_orpo_sft():
     orpo = combined_loss(["orpo"], None, x, p)[0].tolist()
     sft = combined_loss(["sft"], None, x, p)[0].tolist()
     nll = -sum(r[0] for r in HAND) / sum(r[4] for r in HAND)  # per token over the batch
+    mean_tokens = sum(r[4] for r in HAND) / len(HAND)
+    odds = []
     for i, (pc, pr, _, _, lc, lr) in enumerate(HAND):
         ac, ar = pc / lc, pr / lr
         assert simpo[i] == pytest.approx(-_logsig(beta * (ac - ar) - gamma), rel=1e-12)
         log_odds = (ac - math.log(1 - math.exp(ac))) - (ar - math.log(1 - math.exp(ar)))
-        assert orpo[i] == pytest.approx(nll - lam * _logsig(log_odds), rel=1e-12)
-        assert sft[i] == pytest.approx(nll, rel=1e-12)
+        odds.append(-lam * _logsig(log_odds))
+        # pair i's share of the batch's token-mean NLL: its own NLL over the batch's mean length
+        assert sft[i] == pytest.approx(-pc / mean_tokens, rel=1e-12)
+        assert orpo[i] == pytest.approx(-pc / mean_tokens + odds[i], rel=1e-12)
+    # the per-pair shares average to TRL's batch scalars
+    assert sum(sft) / len(HAND) == pytest.approx(nll, rel=1e-12)
+    assert sum(orpo) / len(HAND) == pytest.approx(nll + sum(odds) / len(HAND), rel=1e-12)
 
 
 def test_bco_running_mean_by_hand():
@@ -270,7 +276,10 @@ def test_bco_running_mean_by_hand():
     x = _hand_inputs()
     rewards_seen = []
     for step in range(2):
-        got = combined_loss(["bco_pair"], None, x, LossParams(beta=beta), bco_state=state)[0].tolist()
+        # each call is one whole training step: its context folds its rewards into the mean first
+        context = step_context(["bco_pair"], LossParams(beta=beta), StepPairs.of(x), num_pairs=2,
+                               chosen_tokens=None, bco_state=state, train=True)
+        got = combined_loss(["bco_pair"], None, x, LossParams(beta=beta), context)[0].tolist()
         rewards_seen += [beta * (r[0] - r[2]) for r in HAND] + [beta * (r[1] - r[3]) for r in HAND]
         delta = sum(rewards_seen) / len(rewards_seen)  # mean of all rewards so far, this batch included
         assert state.mean == pytest.approx(delta, rel=1e-12) and state.count == 4 * (step + 1)
@@ -297,7 +306,7 @@ def test_aot_pair_is_alias_of_aot_unpaired():
 
 def _all_types_inputs():
     b = _batch(6)
-    x = _ours_inputs(b, with_wpo=True)
+    x = _ours_inputs(b)
     return b, x
 
 
@@ -370,22 +379,6 @@ def test_errors():
         combined_loss(["exo_pair"], None, x, LossParams(label_smoothing=0.0))
     with pytest.raises(ValueError, match="label_smoothing"):
         combined_loss(["robust"], None, x, LossParams(label_smoothing=0.5))
-    with pytest.raises(ValueError, match="sorts pairs"):
-        combined_loss(["aot"], None, x, LossParams(use_weighting=True))
-    with pytest.raises(ValueError, match="wpo"):
-        combined_loss(["sigmoid"], None, x, LossParams(use_weighting=True))
     with pytest.raises(ValueError, match="empty"):
         combined_loss([], None, x, LossParams())
 
-
-def test_wpo_weighting_by_hand_including_sft():
-    x = _hand_inputs()
-    x.chosen_wpo_logps = torch.tensor([-0.5, -1.0], dtype=torch.float64)
-    x.rejected_wpo_logps = torch.tensor([-0.25, -2.0], dtype=torch.float64)
-    weights = [math.exp(-0.75), math.exp(-3.0)]
-    plain = combined_loss(["sft", "hinge"], None, x, LossParams())[1]
-    total, weighted = combined_loss(["sft", "hinge"], [1.0, 2.0], x, LossParams(use_weighting=True))
-    for name in ["sft", "hinge"]:
-        want = [v * w for v, w in zip(plain[name].tolist(), weights)]
-        assert weighted[name].tolist() == pytest.approx(want, rel=1e-12)
-    torch.testing.assert_close(total, weighted["sft"] + 2.0 * weighted["hinge"])

@@ -1,48 +1,35 @@
-"""Preference losses on per-pair sequence log-probs.
+"""Preference losses on per-pair sequence log-probs: small pure functions.
 
-Every loss here is a small pure function on 1-D tensors of length ``P`` (one entry per preference
-pair) and returns per-pair losses ``[P]``. Reduction is left to the caller: with gradient
-accumulation over micro-batches holding different numbers of pairs, the trainer must sum per-pair
-losses and divide by the step's total pair count, which a per-micro-batch mean would get wrong.
+Every loss here takes 1-D tensors of length ``P`` (one entry per preference pair) and returns
+per-pair losses ``[P]``. The objective of one optimizer step is ``sum(per-pair losses) / P_step``
+over ALL the step's pairs (every micro-batch, every rank), so splitting the step's pairs into any
+micro-batches and summing gives the same value and gradients. Losses coupled to the batch (``sft``
+and ORPO's NLL, the sorted AOT losses, BCO's reward mean) therefore take their batch-level part
+as an argument (``mean_chosen_tokens``, ``partners``, ``delta``) that the caller computes over the
+whole step (:mod:`prefixdpo.objective`); left at its default, the call itself is the whole step.
 
 Names follow TRL 1.x ``DPOConfig.loss_type`` and each formula equals TRL 1.16's
-``DPOTrainer._compute_loss`` (the mean over pairs of our ``[P]`` equals TRL's scalar), except where
-a docstring says otherwise. The reference-free ``simpo`` and ``orpo`` follow TRL's experimental
-``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``.
+``DPOTrainer._compute_loss`` on one batch holding the step's pairs (the mean over pairs of our
+``[P]`` equals TRL's scalar), except where a docstring says otherwise. The reference-free ``simpo``
+and ``orpo`` follow TRL's experimental ``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``.
 
-Inputs (all ``[P]``, gathered in :class:`PairLogps`):
-
-- ``policy_chosen_logps`` / ``policy_rejected_logps``: summed log-probs of each response's tokens;
-- ``ref_chosen_logps`` / ``ref_rejected_logps``: the same under the reference model (``None`` for
-  reference-free losses);
-- ``chosen_lengths`` / ``rejected_lengths``: response token counts, for length-normalised losses.
-
-Shared parameters live in :class:`LossParams`; like TRL, ``beta`` means whatever the loss's paper
-calls its temperature/regulariser (IPO's tau, SimPO's beta, ...).
+Argument names: ``*_logps`` are summed log-probs of a response's tokens; ``*_logratios`` are
+``policy - reference`` log-probs; ``*_scores`` are log-ratios after the f-divergence transform
+(:func:`f_divergence_scores`; the log-ratios themselves for standard DPO); ``*_lengths`` are
+response token counts. The registry, validation and step context live in :mod:`prefixdpo.objective`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "PairLogps",
-    "LossParams",
-    "BCORunningMean",
     "LossConfigError",
-    "LOSSES",
-    "LOSS_ALIASES",
-    "REFERENCE_FREE",
-    "NEEDS_NO_REFERENCE",
-    "combined_loss",
-    "rewards",
-    "pair_rewards",
+    "F_DIVERGENCES",
     "f_divergence_scores",
     "sigmoid_loss",
     "robust_loss",
@@ -53,6 +40,8 @@ __all__ = [
     "nca_pair_loss",
     "bco_pair_loss",
     "sppo_hard_loss",
+    "quantile_partners",
+    "quantile_matched_loss",
     "aot_loss",
     "aot_unpaired_loss",
     "apo_zero_loss",
@@ -61,6 +50,7 @@ __all__ = [
     "sft_loss",
     "simpo_loss",
     "orpo_loss",
+    "rewards",
 ]
 
 
@@ -68,96 +58,7 @@ class LossConfigError(ValueError):
     """An unknown loss name, a missing input a loss needs, or inconsistent loss settings."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs, parameters, state
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PairLogps:
-    """Per-pair log-prob statistics; every tensor is ``[P]``.
-
-    ``chosen_wpo_logps`` / ``rejected_wpo_logps`` are only needed for ``LossParams.use_weighting``
-    (WPO, https://arxiv.org/abs/2406.11827): the mean over a response's tokens of
-    ``log p(y_t) - log sum_v p(v)^2`` (TRL's "aligned" log-probs), computed without gradient.
-    """
-
-    policy_chosen_logps: Tensor
-    policy_rejected_logps: Tensor
-    ref_chosen_logps: Tensor | None = None
-    ref_rejected_logps: Tensor | None = None
-    chosen_lengths: Tensor | None = None
-    rejected_lengths: Tensor | None = None
-    chosen_wpo_logps: Tensor | None = None
-    rejected_wpo_logps: Tensor | None = None
-
-    @property
-    def has_reference(self) -> bool:
-        return self.ref_chosen_logps is not None and self.ref_rejected_logps is not None
-
-
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-# The f-DPO reparameterisation leaves a beta*log Z(x) term that only cancels in the chosen-minus-
-# rejected score difference, so only losses built on that difference generalise (TRL's set).
-F_DIVERGENCE_LOSSES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
-
-
-@dataclass
-class LossParams:
-    """Hyper-parameters shared by the losses (defaults are TRL's).
-
-    - ``beta``: DPO beta; IPO's tau; SimPO's beta (TRL ``CPOConfig.beta``).
-    - ``label_smoothing``: cDPO / robust / EXO epsilon; also AOT's and SimPO's smoothing (as in TRL).
-    - ``simpo_gamma``: SimPO's target reward margin gamma (TRL ``CPOConfig.simpo_gamma``).
-    - ``orpo_alpha``: ORPO's lambda weighting the odds-ratio term (TRL ``ORPOConfig.beta``).
-    - ``discopop_tau``: DiscoPOP's temperature tau.
-    - ``f_divergence_type`` / ``f_alpha_divergence_coef``: f-DPO score transform (TRL's names).
-    - ``use_weighting``: WPO pair weights (needs ``PairLogps.*_wpo_logps``).
-    """
-
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    orpo_alpha: float = 0.1
-    discopop_tau: float = 0.05
-    f_divergence_type: str = "reverse_kl"
-    f_alpha_divergence_coef: float = 0.5
-    use_weighting: bool = False
-
-
-@dataclass
-class BCORunningMean:
-    """Running mean of implicit rewards, the ``delta`` of BCO (https://arxiv.org/abs/2404.04656).
-
-    Count-weighted over every reward value seen (chosen and rejected alike), so micro-batches of
-    different sizes weigh in by their pair count. Under data parallelism, pass rewards gathered
-    from all ranks to :meth:`update` so every rank keeps the same mean.
-    """
-
-    mean: float = 0.0
-    count: int = 0
-
-    def update(self, values: Tensor) -> float:
-        """Fold ``values`` (any shape, detached here) into the mean; return the new mean."""
-        values = values.detach().float().flatten()
-        n = values.numel()
-        if n:
-            total = self.count + n
-            self.mean += (values.mean().item() - self.mean) * n / total
-            self.count = total
-        return self.mean
-
-    def state_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.mean, self.count = float(state["mean"]), int(state["count"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure loss functions. "scores" are per-pair log-ratios log pi(y|x) - log pi_ref(y|x) (or their
-# f-divergence transform); every tensor argument and every result is [P].
-# ---------------------------------------------------------------------------------------------
 
 
 def f_divergence_scores(logratios: Tensor, f_divergence_type: str = "reverse_kl", alpha: float = 0.5) -> Tensor:
@@ -254,8 +155,8 @@ def bco_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: fl
     """BCO on pairs, https://arxiv.org/abs/2404.04656. ``[P] -> [P]``.
 
     ``-logsigmoid(r_c - delta) - logsigmoid(-(r_r - delta))`` with ``r = beta * logratio``.
-    ``delta`` is the running reward mean (:class:`BCORunningMean`); TRL 1.16 dropped it, which is
-    ``delta = 0`` here (the default).
+    ``delta`` is the running reward mean over training steps (``prefixdpo.objective.BCORunningMean``);
+    TRL 1.16 dropped it, which is ``delta = 0`` here (the default).
     """
     r_c, r_r = beta * chosen_logratios, beta * rejected_logratios
     return -F.logsigmoid(r_c - delta) - F.logsigmoid(-(r_r - delta))
@@ -271,6 +172,38 @@ def _smoothed_logistic(delta: Tensor, beta: float, label_smoothing: float) -> Te
     return -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
 
 
+def quantile_partners(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Partners of each entry when ``a`` and ``b`` are sorted independently. ``[N], [N] -> [N], [N]``.
+
+    Returns ``(b_at_rank_of_a, a_at_rank_of_b)``, detached: entry i of the first is the k-th
+    smallest ``b`` where k is the rank of ``a[i]`` among ``a``, and vice versa. Pass the values of
+    every pair of the optimizer step, then pick each micro-batch's entries by step index. Tied
+    values may take their ranks in either order: the partners of tied entries then swap, which
+    changes neither :func:`quantile_matched_loss`'s sum nor its summed gradient over the tie.
+    """
+    a, b = a.detach(), b.detach()
+    a_sorted, a_order = torch.sort(a, stable=True)
+    b_sorted, b_order = torch.sort(b, stable=True)
+    b_at_rank_of_a = torch.empty_like(b).index_copy_(0, a_order, b_sorted)
+    a_at_rank_of_b = torch.empty_like(a).index_copy_(0, b_order, a_sorted)
+    return b_at_rank_of_a, a_at_rank_of_b
+
+
+def quantile_matched_loss(
+    a: Tensor, b: Tensor, b_at_rank_of_a: Tensor, a_at_rank_of_b: Tensor, beta: float, label_smoothing: float = 0.0
+) -> Tensor:
+    """Per-pair share of ``sum_k f(a_(k) - b_(k))`` (a, b sorted independently over the step). All ``[P]``.
+
+    ``f`` is the label-smoothed logistic loss at ``beta``. Entry i is ``f(a_i - B[rank_a(i)])``,
+    whose gradient w.r.t. ``a_i`` is that of the sorted sum (a sort only routes gradients), plus
+    ``g - g.detach()`` with ``g = f(A[rank_b(i)] - b_i)``: zero in value, it carries the sorted
+    sum's gradient w.r.t. ``b_i``. Summed over all the step's pairs, value and gradients equal the
+    sorted formula's, however the pairs are split. Partners come from :func:`quantile_partners`.
+    """
+    carrier = _smoothed_logistic(a_at_rank_of_b - b, beta, label_smoothing)
+    return _smoothed_logistic(a - b_at_rank_of_a, beta, label_smoothing) + (carrier - carrier.detach())
+
+
 def aot_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -278,26 +211,38 @@ def aot_loss(
     ref_rejected_logps: Tensor,
     beta: float,
     label_smoothing: float = 0.0,
+    partners: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """AOT (paired), https://arxiv.org/abs/2406.05882. ``[P] -> [P]``.
 
-    Sorts the policy and reference chosen-minus-rejected margins over the batch independently, so
-    entry i of the result belongs to the i-th quantile, not to pair i (only its sum/mean is
-    meaningful), and the sort runs over whatever pairs one call receives.
+    TRL sorts the policy and the reference chosen-minus-rejected margins over the batch
+    independently and matches them by quantile; this is :func:`quantile_matched_loss` with
+    ``a`` = policy margins, ``b`` = reference margins. ``partners``: :func:`quantile_partners` of
+    the step's margins, picked for these pairs ``([P], [P])``; ``None``: this call is the whole step.
     """
-    policy_margin, _ = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0)
-    ref_margin, _ = torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0)
-    return _smoothed_logistic(policy_margin - ref_margin, beta, label_smoothing)
+    policy_margins = policy_chosen_logps - policy_rejected_logps
+    ref_margins = ref_chosen_logps - ref_rejected_logps
+    if partners is None:
+        partners = quantile_partners(policy_margins, ref_margins)
+    return quantile_matched_loss(policy_margins, ref_margins, *partners, beta, label_smoothing)
 
 
 def aot_unpaired_loss(
-    chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float, label_smoothing: float = 0.0
+    chosen_logratios: Tensor,
+    rejected_logratios: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    partners: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """AOT (unpaired), https://arxiv.org/abs/2406.05882: sorts chosen and rejected log-ratios over the
-    batch independently (entry i is a quantile, not pair i). ``[P] -> [P]``."""
-    chosen_sorted, _ = torch.sort(chosen_logratios, dim=0)
-    rejected_sorted, _ = torch.sort(rejected_logratios, dim=0)
-    return _smoothed_logistic(chosen_sorted - rejected_sorted, beta, label_smoothing)
+    """AOT (unpaired), https://arxiv.org/abs/2406.05882. ``[P] -> [P]``.
+
+    TRL sorts the chosen and the rejected log-ratios over the batch independently; this is
+    :func:`quantile_matched_loss` with ``a`` = chosen, ``b`` = rejected log-ratios. ``partners`` as
+    in :func:`aot_loss`, of the step's log-ratios.
+    """
+    if partners is None:
+        partners = quantile_partners(chosen_logratios, rejected_logratios)
+    return quantile_matched_loss(chosen_logratios, rejected_logratios, *partners, beta, label_smoothing)
 
 
 def apo_zero_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> Tensor:
@@ -322,15 +267,21 @@ def discopop_loss(chosen_scores: Tensor, rejected_scores: Tensor, beta: float, t
     return -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
 
 
-def sft_loss(policy_chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
-    """NLL of the chosen responses, normalised as TRL does: per token over the whole batch. ``[P] -> [P]``.
+def sft_loss(
+    policy_chosen_logps: Tensor, chosen_lengths: Tensor, mean_chosen_tokens: Tensor | float | None = None
+) -> Tensor:
+    """NLL of the chosen responses, per token over the whole step as TRL normalises it. ``[P] -> [P]``.
 
-    The batch value ``-sum(chosen logps) / sum(chosen lengths)`` is repeated for every pair, so the
-    mean over pairs equals TRL's scalar and gradients flow to every pair in proportion to its tokens
-    (a long response weighs more than a short one, unlike a per-sequence average).
+    Entry i is ``-logp_c[i] / mean_chosen_tokens``, with ``mean_chosen_tokens`` = the step's chosen
+    tokens / the step's pairs (a scalar); the mean over the step's pairs is then TRL's
+    ``-sum(logp_c) / sum(len_c)``, and each pair's gradient is its share of that token mean (a long
+    response weighs more than a short one, unlike a per-sequence average). ``None``: this call is
+    the whole step (the mean of ``chosen_lengths``, at least one token in all).
     """
-    batch_nll = -policy_chosen_logps.sum() / chosen_lengths.to(policy_chosen_logps.dtype).sum().clamp(min=1.0)
-    return batch_nll.expand_as(policy_chosen_logps)
+    if mean_chosen_tokens is None:
+        total = chosen_lengths.to(policy_chosen_logps.dtype).sum().clamp(min=1.0)
+        mean_chosen_tokens = total / policy_chosen_logps.numel()
+    return -policy_chosen_logps / mean_chosen_tokens
 
 
 def simpo_loss(
@@ -362,14 +313,15 @@ def orpo_loss(
     chosen_lengths: Tensor,
     rejected_lengths: Tensor,
     alpha: float,
+    mean_chosen_tokens: Tensor | float | None = None,
 ) -> Tensor:
     """ORPO, https://arxiv.org/abs/2403.07691 eqs. 4-7 (reference-free). ``[P] -> [P]``.
 
     ``L_SFT - alpha * logsigmoid(log odds(avg_c) - log odds(avg_r))`` with ``odds(a) = e^a / (1 - e^a)``
     on per-token average log-probs; ``alpha`` is the paper's lambda (TRL ``ORPOConfig.beta``).
-    ``L_SFT`` is :func:`sft_loss` (chosen-response NLL, per token over the batch). TRL's ORPO also
-    counts the prompt's tokens in that NLL; here the prompt is shared and not a target, and the
-    paper's L_SFT is over the response only.
+    ``L_SFT`` is :func:`sft_loss` (chosen-response NLL per token over the step, same
+    ``mean_chosen_tokens``). TRL's ORPO also counts the prompt's tokens in that NLL; here the prompt
+    is shared and not a target, and the paper's L_SFT is over the response only.
     """
     # at least fp32, as TRL: log1mexp near 0 is ill-conditioned in half precision
     dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
@@ -377,171 +329,7 @@ def orpo_loss(
     avg_r = _per_token(policy_rejected_logps, rejected_lengths).to(dtype)
     log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
     odds_term = -alpha * F.logsigmoid(log_odds)
-    return sft_loss(policy_chosen_logps, chosen_lengths) + odds_term.to(policy_chosen_logps.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry: name -> adapter (PairLogps, LossParams, BCORunningMean | None) -> [P]
-# ---------------------------------------------------------------------------------------------
-
-LossFn = Callable[[PairLogps, LossParams, "BCORunningMean | None"], Tensor]
-
-
-def _logratios(x: PairLogps) -> tuple[Tensor, Tensor]:
-    return x.policy_chosen_logps - x.ref_chosen_logps, x.policy_rejected_logps - x.ref_rejected_logps
-
-
-def _scores(x: PairLogps, p: LossParams) -> tuple[Tensor, Tensor]:
-    c, r = _logratios(x)
-    return (
-        f_divergence_scores(c, p.f_divergence_type, p.f_alpha_divergence_coef),
-        f_divergence_scores(r, p.f_divergence_type, p.f_alpha_divergence_coef),
-    )
-
-
-def _bco(x: PairLogps, p: LossParams, state: BCORunningMean | None) -> Tensor:
-    c, r = _logratios(x)
-    delta = 0.0
-    if state is not None:
-        # the paper's delta includes the current batch's rewards (as TRL < 1.0 did)
-        delta = state.update(p.beta * torch.cat([c, r]))
-    return bco_pair_loss(c, r, p.beta, delta)
-
-
-LOSSES: dict[str, LossFn] = {
-    "sigmoid": lambda x, p, s: sigmoid_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "robust": lambda x, p, s: robust_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "hinge": lambda x, p, s: hinge_loss(*_scores(x, p), p.beta),
-    "ipo": lambda x, p, s: ipo_loss(*_scores(x, p), x.chosen_lengths, x.rejected_lengths, p.beta),
-    "sigmoid_norm": lambda x, p, s: sigmoid_norm_loss(*_scores(x, p), x.chosen_lengths, x.rejected_lengths, p.beta),
-    "exo_pair": lambda x, p, s: exo_pair_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "nca_pair": lambda x, p, s: nca_pair_loss(*_logratios(x), p.beta),
-    "bco_pair": _bco,
-    "sppo_hard": lambda x, p, s: sppo_hard_loss(*_logratios(x), p.beta),
-    "aot": lambda x, p, s: aot_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps,
-        p.beta, p.label_smoothing,
-    ),
-    "aot_unpaired": lambda x, p, s: aot_unpaired_loss(*_logratios(x), p.beta, p.label_smoothing),
-    "apo_zero": lambda x, p, s: apo_zero_loss(*_logratios(x), p.beta),
-    "apo_down": lambda x, p, s: apo_down_loss(*_logratios(x), p.beta),
-    "discopop": lambda x, p, s: discopop_loss(*_scores(x, p), p.beta, p.discopop_tau),
-    "sft": lambda x, p, s: sft_loss(x.policy_chosen_logps, x.chosen_lengths),
-    "simpo": lambda x, p, s: simpo_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.chosen_lengths, x.rejected_lengths,
-        p.beta, p.simpo_gamma, p.label_smoothing,
-    ),
-    "orpo": lambda x, p, s: orpo_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.chosen_lengths, x.rejected_lengths, p.orpo_alpha
-    ),
-}
-
-# The AOT issue calls the unpaired variant "aot_pair"; TRL calls it "aot_unpaired".
-LOSS_ALIASES: dict[str, str] = {"aot_pair": "aot_unpaired"}
-
-REFERENCE_FREE = frozenset({"simpo", "orpo"})
-NEEDS_NO_REFERENCE = REFERENCE_FREE | {"sft"}
-_NEEDS_LENGTHS = {
-    "ipo": ("chosen_lengths", "rejected_lengths"),
-    "sigmoid_norm": ("chosen_lengths", "rejected_lengths"),
-    "simpo": ("chosen_lengths", "rejected_lengths"),
-    "orpo": ("chosen_lengths", "rejected_lengths"),
-    "sft": ("chosen_lengths",),
-}
-# Sorting permutes pairs, so per-pair WPO weights would attach to the wrong entries (TRL refuses too).
-_NO_WEIGHTING = frozenset({"aot", "aot_unpaired"})
-
-
-def _canonical(name: str) -> str:
-    name = LOSS_ALIASES.get(name, name)
-    if name not in LOSSES:
-        known = sorted(set(LOSSES) | set(LOSS_ALIASES))
-        raise LossConfigError(f"unknown loss type {name!r}; known: {', '.join(known)}")
-    return name
-
-
-def _check(name: str, inputs: PairLogps, params: LossParams) -> None:
-    if name not in NEEDS_NO_REFERENCE and not inputs.has_reference:
-        raise LossConfigError(
-            f"loss {name!r} needs reference log-probs (ref_chosen_logps and ref_rejected_logps); "
-            f"losses without a reference: {', '.join(sorted(NEEDS_NO_REFERENCE))}"
-        )
-    for attr in _NEEDS_LENGTHS.get(name, ()):
-        if getattr(inputs, attr) is None:
-            raise LossConfigError(f"loss {name!r} needs {attr} (response token counts)")
-    if params.f_divergence_type != "reverse_kl":
-        if params.f_divergence_type not in F_DIVERGENCES:
-            raise LossConfigError(
-                f"unknown f_divergence_type {params.f_divergence_type!r}; known: {', '.join(F_DIVERGENCES)}"
-            )
-        if name not in F_DIVERGENCE_LOSSES:
-            raise LossConfigError(
-                f"f_divergence_type={params.f_divergence_type!r} is only defined for "
-                f"{', '.join(sorted(F_DIVERGENCE_LOSSES))}; got loss {name!r}"
-            )
-    if params.use_weighting:
-        if name in _NO_WEIGHTING:
-            raise LossConfigError(f"use_weighting (WPO) is not defined for {name!r}: it sorts pairs")
-        if inputs.chosen_wpo_logps is None or inputs.rejected_wpo_logps is None:
-            raise LossConfigError("use_weighting (WPO) needs chosen_wpo_logps and rejected_wpo_logps")
-
-
-def combined_loss(
-    loss_types: list[str] | str,
-    loss_weights: list[float] | None,
-    inputs: PairLogps,
-    params: LossParams | None = None,
-    bco_state: BCORunningMean | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of several losses, per pair (TRL's ``loss_type`` list + ``loss_weights``, e.g. MPO).
-
-    Args:
-        loss_types: names from :data:`LOSSES` (or :data:`LOSS_ALIASES`).
-        loss_weights: one weight per loss type; ``None`` means 1.0 each.
-        inputs: per-pair log-probs, all ``[P]``.
-        params: hyper-parameters (defaults: :class:`LossParams`()).
-        bco_state: running reward mean for ``bco_pair``; ``None`` gives TRL 1.16's delta = 0.
-            It is updated in place when ``bco_pair`` is among the losses.
-
-    Returns:
-        ``(losses [P], {name: [P]})``: the weighted per-pair total, and each loss's per-pair values
-        before its weight (after WPO weighting, when on). ``losses.mean()`` equals TRL's loss.
-    """
-    params = params or LossParams()
-    names = [loss_types] if isinstance(loss_types, str) else list(loss_types)
-    if not names:
-        raise LossConfigError("loss_types is empty; give at least one loss type")
-    if loss_weights is None:
-        loss_weights = [1.0] * len(names)
-    if len(loss_weights) != len(names):
-        raise LossConfigError(
-            f"loss_weights has {len(loss_weights)} entries but loss_types has {len(names)} ({', '.join(names)})"
-        )
-    names = [_canonical(n) for n in names]
-    if len(set(names)) != len(names):
-        raise LossConfigError(f"loss type listed twice in {names}; merge their weights instead")
-    for name in names:
-        _check(name, inputs, params)
-
-    pair_weights = None
-    if params.use_weighting:
-        # WPO eq. 2: w = exp(mean aligned logp of chosen) * exp(... of rejected), no gradient.
-        pair_weights = torch.exp(inputs.chosen_wpo_logps.detach() + inputs.rejected_wpo_logps.detach())
-
-    total = torch.zeros_like(inputs.policy_chosen_logps)
-    per_type: dict[str, Tensor] = {}
-    for name, weight in zip(names, loss_weights):
-        loss = LOSSES[name](inputs, params, bco_state)
-        if pair_weights is not None:
-            loss = loss * pair_weights
-        per_type[name] = loss
-        total = total + weight * loss
-    return total, per_type
-
-
-# ---------------------------------------------------------------------------------------------
-# Implicit rewards, for metrics
-# ---------------------------------------------------------------------------------------------
+    return sft_loss(policy_chosen_logps, chosen_lengths, mean_chosen_tokens) + odds_term.to(policy_chosen_logps.dtype)
 
 
 def rewards(
@@ -560,15 +348,18 @@ def rewards(
     return (beta * _per_token(policy_logps, lengths)).detach()
 
 
-def pair_rewards(inputs: PairLogps, beta: float) -> tuple[Tensor, Tensor]:
-    """``(chosen_rewards, rejected_rewards)``, each ``[P]``: reference rewards when ``inputs`` has a
-    reference, else length-normalised ones (see :func:`rewards`)."""
-    if inputs.has_reference:
-        return (
-            rewards(inputs.policy_chosen_logps, inputs.ref_chosen_logps, beta),
-            rewards(inputs.policy_rejected_logps, inputs.ref_rejected_logps, beta),
-        )
-    return (
-        rewards(inputs.policy_chosen_logps, None, beta, inputs.chosen_lengths),
-        rewards(inputs.policy_rejected_logps, None, beta, inputs.rejected_lengths),
-    )
+# Names that moved to prefixdpo.objective; config.py and trainer.py import them from here until
+# their owners switch to `from prefixdpo.objective import ...` (then delete this).
+_MOVED_TO_OBJECTIVE = frozenset({
+    "PairLogps", "LossParams", "BCORunningMean", "LOSSES", "LOSS_ALIASES", "REFERENCE_FREE",
+    "NEEDS_NO_REFERENCE", "combined_loss", "pair_rewards",
+})  # fmt: skip
+
+
+def __getattr__(name: str):
+    # PEP 562: resolved on first access, so importing either module first has no import cycle.
+    if name in _MOVED_TO_OBJECTIVE:
+        from prefixdpo import objective
+
+        return getattr(objective, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
