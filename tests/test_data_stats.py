@@ -63,15 +63,51 @@ def test_inspect_cli(tmp_path, tok_dir, capsys):
     recs = [{"prompt": "Question: what is the capital of France? " * (1 + i % 4), "chosen": " Paris.", "rejected": " Rome."}
             for i in range(20)] + [{"prompt": "p", "chosen": "same", "rejected": "same"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "256", "--max-samples", "21"]) == 0
+    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "256", "--max-samples", "21",
+                 "--invalid", "skip"]) == 0
     out = capsys.readouterr().out
     assert "Loaded 21 records, kept 20 examples (20 standard). Skipped 1 invalid (identical_responses: 1" in out
     assert "packing" in out and "at pack length 256" in out and "predicted speedup" in out and "Llama-3.1-8B" in out
-    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--invalid", "error"]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == "prefixdpo inspect: error: record 20: chosen and rejected are identical"
+    for invalid in ([], ["--invalid", "error"]):  # error is train's default, so inspect's too
+        assert main(["inspect", str(data), "--tokenizer", tok_dir, *invalid]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == "prefixdpo inspect: error: record 20: chosen and rejected are identical"
+    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "big"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "prefixdpo inspect: error: pack_length='big': expected 'auto' or a positive integer")
     with pytest.raises(SystemExit):
-        main(["inspect", str(data), "--tokenizer", tok_dir, "--pack-length", "big"])
+        main(["inspect", str(data), "--tokenizer", tok_dir, "--truncation-mode", "middle"])
+
+
+def test_inspect_prepares_lengths_as_train(tmp_path, tok_dir, capsys):
+    """An over-long prompt: with train's defaults (max_length 1024, keep_start) the example is dropped and
+    counted; with keep_end its prompt is cut so every sequence has max_length tokens, and counted."""
+    from prefixdpo.cli import main
+    from prefixdpo.config import DataArguments, PrefixDPOConfig, data_options
+    from prefixdpo.data.prepare import prepare_examples
+
+    tok = build_tiny_tokenizer()
+    data = tmp_path / "d.jsonl"
+    long_prompt = "Question: what is the capital of France? " * 120
+    recs = [{"prompt": "Question: capital of France?", "chosen": " Paris.", "rejected": " Rome."},
+            {"prompt": long_prompt, "chosen": " Paris.", "rejected": " Rome."}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = len(tok(long_prompt)["input_ids"])
+    assert p > 1024
+    assert main(["inspect", str(data), "--tokenizer", tok_dir]) == 0
+    out = capsys.readouterr().out
+    assert (f"Loaded 2 records, kept 1 examples (1 standard). Dropped 1 over max_length "
+            f"(e.g. record 1: prompt of {p} tokens leaves no room within max_length 1024).") in out
+    assert main(["inspect", str(data), "--tokenizer", tok_dir, "--truncation-mode", "keep_end"]) == 0
+    out = capsys.readouterr().out
+    # train's own preparation of the same file and options
+    config = PrefixDPOConfig(truncation_mode="keep_end")
+    train = prepare_examples(str(data), tok, data_options(config, DataArguments(dataset_name=str(data))))
+    ex = train.examples[1]
+    assert max(len(ex.prompt_ids) + len(r) for r in ex.response_ids) == 1024
+    assert "Loaded 2 records, kept 2 examples (2 standard). Truncated 1." in out and train.report.truncated == 1
+    assert f"shared row tokens   median {(train.examples[0].shared_length + ex.shared_length) / 2:g}" in out
+    assert f"max {ex.shared_length}\n" in out and ex.shared_length > 1024  # the row holds two sequences
 
 
 def test_inspect_show_mask_draws_a_packed_line(tmp_path, tok_dir, capsys):

@@ -1,8 +1,12 @@
 """`prefixdpo inspect`: what a dataset looks like after preparation, and what prefix sharing gains on it.
 
-    prefixdpo inspect DATASET --tokenizer PATH [--split S] [--max-samples N] [--pack-length auto|N]
-                      [--max-length N] [--max-prompt-length N] [--invalid error|skip] [--model-config PATH]
+    prefixdpo inspect DATASET --tokenizer PATH [--model-config PATH] [--show-mask PNG] [train's data options:
+                      --max-length N --truncation-mode M --invalid error|skip --pairs-policy P --overlong O
+                      --max-samples N --dataset-train-split S --dataset-test-split S --pack-length auto|N ...]
 
+The data options are train's (`PrefixDPOConfig` / `DataArguments` fields, same names, defaults and checks,
+turned into `DataOptions` by the same `config.data_options`), so the data is prepared exactly as `train`
+would: over-long sequences truncated or dropped and counted, a bad record an error unless `--invalid skip`.
 Prints the preparation report (kept / skipped by reason / truncated / dropped / boundary adjustments),
 length statistics, tokens saved vs standard DPO, packing efficiency and the FLOP-model speedup
 (for Llama-3.1-8B unless `--model-config` names a config.json or model directory).
@@ -10,50 +14,61 @@ length statistics, tokens saved vs standard DPO, packing efficiency and the FLOP
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
 
-def _pack_length(value: str):
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"--pack-length must be 'auto' or a positive integer, got {value!r}") from None
-    if n <= 0:
-        raise ValueError(f"--pack-length must be positive, got {n}")
-    return n
+
+def _options_from(dataclass_type, names) -> type:
+    """A dataclass holding only the fields `names` of `dataclass_type` (same types, defaults and help), for
+    `HfArgumentParser`: inspect's options are train's, spelled and defaulted the same."""
+    hints = typing.get_type_hints(dataclass_type)
+    return dataclasses.make_dataclass(
+        f"{dataclass_type.__name__}Subset",
+        [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+         for f in dataclasses.fields(dataclass_type) if f.name in names],
+    )
+
+
+def _train_options():
+    """The `PrefixDPOConfig` / `DataArguments` fields inspect takes from train: every DataArguments field but
+    the dataset (DATASET here); the config fields `data_options` passes on (those named like a `DataOptions`
+    field: max_length, truncation_mode); `pack_length` for the packing figure; `trust_remote_code`."""
+    from prefixdpo.config import DataArguments, PrefixDPOConfig
+    from prefixdpo.data.prepare import DataOptions
+
+    option_names = {f.name for f in dataclasses.fields(DataOptions)}
+    config_names = {f.name for f in dataclasses.fields(PrefixDPOConfig) if f.name in option_names}
+    config_names |= {"pack_length", "trust_remote_code"}
+    data_names = {f.name for f in dataclasses.fields(DataArguments)} - {"dataset_name"}
+    return _options_from(PrefixDPOConfig, config_names), _options_from(DataArguments, data_names)
 
 
 def register(subparsers) -> None:
+    from transformers import HfArgumentParser
+
+    config_options, data_options = _train_options()
+    train_parser = HfArgumentParser((config_options, data_options), add_help=False)
     p = subparsers.add_parser(
         "inspect",
+        parents=[train_parser],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="length statistics, tokens saved and predicted speedup of prefix sharing on a dataset",
         description=(
-            "Loads and tokenizes a preference dataset exactly as training would, then reports what was kept, "
-            "skipped or cut, the prompt/response/row lengths, tokens saved vs standard DPO, packing "
-            "efficiency and the speedup predicted by a useful-FLOP model."
+            "Loads and tokenizes a preference dataset exactly as training would (train's data options and "
+            "defaults), then reports what was kept, skipped or cut, the prompt/response/row lengths, tokens saved "
+            "vs standard DPO, packing efficiency and the speedup predicted by a useful-FLOP model."
         ),
     )
     p.add_argument("dataset", metavar="DATASET",
                    help="a .jsonl/.json/.parquet/.csv file, a save_to_disk directory, or a Hub dataset name")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or Hub name (AutoTokenizer)")
-    p.add_argument("--split", default="train", help="split to inspect (default train)")
-    p.add_argument("--dataset-config", default=None, help="Hub dataset configuration name")
-    p.add_argument("--max-samples", type=int, default=None, help="use only the first N records")
-    p.add_argument("--pack-length", type=_pack_length, default="auto",
-                   help="'auto' (1.1 x p95 row length, rounded up to 128) or a token count (default auto)")
-    p.add_argument("--max-length", type=int, default=None, help="max tokens per prefix-shared row")
-    p.add_argument("--max-prompt-length", type=int, default=None, help="max prompt tokens")
-    p.add_argument("--truncation-mode", default="keep_end", choices=["keep_end", "keep_start"])
-    p.add_argument("--overlong", default="truncate", choices=["truncate", "drop"])
-    p.add_argument("--invalid", default="skip", choices=["error", "skip"],
-                   help="bad records: stop at the first (error) or count them (skip, default here)")
-    p.add_argument("--pairs-policy", default="best_vs_worst", choices=["best_vs_worst", "best_vs_each", "all_pairs"])
     p.add_argument("--model-config", default=None,
                    help="config.json or model directory for the FLOP model (default: Llama-3.1-8B's shape)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
     p.add_argument("--show-mask", metavar="PNG", default=None,
                    help="draw the attention mask of the first packed line (documents, prompt, branches, padding)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, config_fields=[f.name for f in dataclasses.fields(config_options)],
+                   data_fields=[f.name for f in dataclasses.fields(data_options)])
 
 
 def _shape(model_config: str | None):
@@ -73,28 +88,24 @@ def _shape(model_config: str | None):
 def run(args) -> int:
     from transformers import AutoTokenizer
 
-    from prefixdpo.data.prepare import DataOptions, prepare_examples
+    from prefixdpo.config import DataArguments, PrefixDPOConfig, data_options
+    from prefixdpo.data.prepare import prepare_examples
     from prefixdpo.data.stats import compute_stats
 
-    options = DataOptions(
-        max_length=args.max_length,
-        max_prompt_length=args.max_prompt_length,
-        truncation_mode=args.truncation_mode,
-        overlong=args.overlong,
-        invalid=args.invalid,
-        pairs_policy=args.pairs_policy,
-        max_samples=args.max_samples,
-        split=args.split,
-        dataset_config=args.dataset_config,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    # The same dataclasses and `data_options` as train, so validation, defaults and preparation are train's.
+    config = PrefixDPOConfig(**{name: getattr(args, name) for name in args.config_fields})
+    data = DataArguments(dataset_name=args.dataset, **{name: getattr(args, name) for name in args.data_fields})
+    options = data_options(config, data)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=config.trust_remote_code)
     shape, model_name = _shape(args.model_config)
     prepared = prepare_examples(args.dataset, tokenizer, options)
     print(prepared.report.summary())
+    if prepared.eval_report is not None:
+        print(f"Held-out split {options.eval_split!r}: {prepared.eval_report.summary()}")
     if not prepared.examples:
         print("No examples left to inspect.")
         return 1
-    stats = compute_stats(prepared.examples, args.pack_length, shape=shape, model_name=model_name)
+    stats = compute_stats(prepared.examples, config.pack_length, shape=shape, model_name=model_name)
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
