@@ -26,11 +26,25 @@ U, A, B = m("user", "hello"), m("assistant", "hi"), m("assistant", "go away")
 
 CASES = [  # (bad record, reason, expected message after "record 1: ")
     ({"prompt": "p", "chosen": "a"}, "missing_field", "missing field 'rejected'"),
-    ({"prompt": "p", "chosen": "a", "rejected": None}, "missing_field", "missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": None}, "wrong_type", "field 'rejected' is null (None)"),
+    ({"prompt": "p", "chosen": None, "rejected": None}, "wrong_type", "fields 'chosen' and 'rejected' are null (None)"),
+    ({"chosen": None, "rejected": None}, "wrong_type", "fields 'chosen' and 'rejected' are null (None)"),
+    ({"prompt": None, "completions": ["a", "b"], "scores": [1, 2]}, "wrong_type", "field 'prompt' is null (None)"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": None}, "wrong_type", "field 'scores' is null (None)"),
+    ({"prompt": "p", "completions": ["a", "b"], "scores": None, "ranks": None}, "wrong_type",
+     "fields 'scores' and 'ranks' are null (None)"),
+    ({"prompt": None, "chosen": "Q: a", "rejected": "Q: b"}, "implicit_text",
+     "chosen and rejected are strings and field 'prompt' is null (None): where the prompt ends is ambiguous; "
+     "add a 'prompt'"),
     ({"prompt": "p", "chosen": 3, "rejected": "b"}, "wrong_type", "field 'chosen' must be a string, got int"),
     ({"prompt": 7, "chosen": "a", "rejected": "b"}, "wrong_type", "field 'prompt' must be a string, got int"),
-    ({"prompt": [U], "chosen": [{"role": "assistant"}], "rejected": [B]}, "wrong_type",
-     "chosen[0] must be a dict with 'role' and 'content', got dict"),
+    ({"prompt": [U], "chosen": [{"role": "assistant"}], "rejected": [B]}, "missing_field", "chosen[0] has no 'content'"),
+    ({"prompt": [{"role": "user"}], "chosen": [A], "rejected": [B]}, "missing_field", "prompt[0] has no 'content'"),
+    ({"prompt": [U, {"content": "hi"}], "chosen": [A], "rejected": [B]}, "missing_field", "prompt[1] has no 'role'"),
+    ({"prompt": ["hello"], "chosen": [A], "rejected": [B]}, "wrong_type",
+     "prompt[0] must be a message dict with 'role' and 'content', got str"),
+    ({"prompt": [U], "chosen": [m("assistant", None)], "rejected": [B]}, "wrong_type",
+     "field 'chosen[0].content' must be a string, got None"),
     ({"prompt": [U], "chosen": "a", "rejected": "b"}, "wrong_type",
      "prompt is a conversation but chosen, rejected are strings: use one form for all fields"),
     (["p", "a", "b"], "wrong_type", "record must be a mapping of fields, got list"),
@@ -91,6 +105,18 @@ def test_invalid_record_skip_policy(tok, bad, reason, message):
     assert (rep.loaded, rep.kept, dict(rep.skipped)) == (3, 2, {reason: 1})
     assert [ex.source_index for ex in data.examples] == [0, 2]
     assert f"record 1: {message}" in rep.summary()
+
+
+def test_null_in_a_jsonl_file_is_reported_as_null(tok, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a", "rejected": null}\n'
+                    '{"prompt": "p", "chosen": "a"}\n')
+    with pytest.raises(InvalidRecordError, match=r"^record 1: field 'rejected' is null \(None\)$"):
+        prepare_examples(str(path), tok)
+    rep = prepare_examples(str(path), tok, DataOptions(invalid="skip")).report
+    assert dict(rep.skipped) == {"wrong_type": 1, "missing_field": 1}
+    assert rep.skip_examples == {"wrong_type": "record 1: field 'rejected' is null (None)",
+                                 "missing_field": "record 2: missing field 'rejected'"}
 
 
 def test_valid_utf8_bytes_are_decoded(tok):

@@ -60,8 +60,20 @@ class ParsedRecord:
 
 
 def _present(record: dict, key: str) -> bool:
-    # Columnar loaders (Arrow) fill a field missing from one record with None: treat None as missing.
+    # Columnar loaders (Arrow) fill a field missing from one record with None: None does not decide the format.
     return record.get(key) is not None
+
+
+def _missing(index: int, record: dict, keys: tuple[str, ...], problem: str) -> InvalidRecordError:
+    """The error for required fields none of which has a value: null ones are named as null (the data holds
+    a null there), else `problem` says what is missing."""
+    nulls = [k for k in keys if k in record]
+    if not nulls:
+        return InvalidRecordError(index, MISSING_FIELD, problem)
+    if len(nulls) == 1:
+        return InvalidRecordError(index, WRONG_TYPE, f"field '{nulls[0]}' is null (None)")
+    names = " and ".join(f"'{k}'" for k in nulls)
+    return InvalidRecordError(index, WRONG_TYPE, f"fields {names} are null (None)")
 
 
 def _value(index: int, name: str, value):
@@ -138,11 +150,12 @@ def preference_pairs(scores: list[float], policy: str) -> list[tuple[int, int]]:
 
 def _parse_multi(index: int, record: dict, pairs_policy: str) -> ParsedRecord:
     if not _present(record, "prompt"):
-        raise InvalidRecordError(index, MISSING_FIELD, "missing field 'prompt' (required with 'completions')")
+        raise _missing(index, record, ("prompt",), "missing field 'prompt' (required with 'completions')")
     has_scores, has_ranks = _present(record, "scores"), _present(record, "ranks")
-    if has_scores == has_ranks:
-        problem = "has both 'scores' and 'ranks'" if has_scores else "missing field 'scores' or 'ranks'"
-        raise InvalidRecordError(index, MISSING_FIELD if not has_scores else WRONG_TYPE, problem)
+    if has_scores and has_ranks:
+        raise InvalidRecordError(index, WRONG_TYPE, "has both 'scores' and 'ranks'")
+    if not (has_scores or has_ranks):
+        raise _missing(index, record, ("scores", "ranks"), "missing field 'scores' or 'ranks'")
     completions = record["completions"]
     if not isinstance(completions, (list, tuple)):
         raise InvalidRecordError(index, WRONG_TYPE, f"field 'completions' must be a list, got {type(completions).__name__}")
@@ -188,9 +201,10 @@ def parse_record(index: int, record, pairs_policy: str = "best_vs_worst") -> Par
     if _present(record, "completions"):
         return _parse_multi(index, record, pairs_policy)
     if not (_present(record, "chosen") or _present(record, "rejected")):
-        if _present(record, "prompt"):
-            raise InvalidRecordError(
-                index, MISSING_FIELD, "missing fields 'chosen' and 'rejected' (or 'completions' with 'scores'/'ranks')"
+        if _present(record, "prompt") or "chosen" in record or "rejected" in record:
+            raise _missing(
+                index, record, ("chosen", "rejected"),
+                "missing fields 'chosen' and 'rejected' (or 'completions' with 'scores'/'ranks')",
             )
         raise InvalidRecordError(
             index, UNKNOWN_FORMAT,
@@ -199,7 +213,7 @@ def parse_record(index: int, record, pairs_policy: str = "best_vs_worst") -> Par
         )
     for name in ("chosen", "rejected"):
         if not _present(record, name):
-            raise InvalidRecordError(index, MISSING_FIELD, f"missing field '{name}'")
+            raise _missing(index, record, (name,), f"missing field '{name}'")
     kinds = {}
     kinds["chosen"], chosen = _value(index, "chosen", record["chosen"])
     kinds["rejected"], rejected = _value(index, "rejected", record["rejected"])
@@ -217,9 +231,10 @@ def parse_record(index: int, record, pairs_policy: str = "best_vs_worst") -> Par
         fmt = "conversational" if kind == "chat" else "standard"
         return ParsedRecord(index, fmt, kind, prompt, [chosen, rejected], [(0, 1)])
     if kind == "text":
+        no_prompt = "and field 'prompt' is null (None)" if "prompt" in record else "with no 'prompt' field"
         raise InvalidRecordError(
             index, IMPLICIT_TEXT,
-            "chosen and rejected are strings with no 'prompt' field: where the prompt ends is ambiguous; add a 'prompt'",
+            f"chosen and rejected are strings {no_prompt}: where the prompt ends is ambiguous; add a 'prompt'",
         )
     prompt, responses = _split_implicit(index, chosen, rejected)
     _check_non_empty(index, prompt, responses, ["chosen", "rejected"])

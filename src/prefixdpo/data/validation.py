@@ -102,10 +102,13 @@ def check_messages(index: int, name: str, value) -> list[dict]:
         raise InvalidRecordError(index, WRONG_TYPE, f"field '{name}' must be a list of messages, got {_type_name(value)}")
     out = []
     for k, msg in enumerate(value):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+        if not isinstance(msg, dict):
             raise InvalidRecordError(
-                index, WRONG_TYPE, f"{name}[{k}] must be a dict with 'role' and 'content', got {_type_name(msg)}"
+                index, WRONG_TYPE, f"{name}[{k}] must be a message dict with 'role' and 'content', got {_type_name(msg)}"
             )
+        for key in ("role", "content"):
+            if key not in msg:
+                raise InvalidRecordError(index, MISSING_FIELD, f"{name}[{k}] has no '{key}'")
         clean = {key: v for key, v in msg.items() if v is not None}
         clean["role"] = check_text(index, f"{name}[{k}].role", msg["role"])
         clean["content"] = check_text(index, f"{name}[{k}].content", msg["content"])
