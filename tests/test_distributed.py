@@ -1,7 +1,13 @@
-"""2-process DDP over gloo on CPU (torchrun): same per-step losses and final weights as one process
-with the same global batch, and no hang when the data does not split evenly over the ranks (7
-examples over 2 ranks unpacked: rank 1 runs an empty slot; 5 packed examples: a zero-weight batch).
-Tolerance: loss 1e-5 relative, weights 1e-5 absolute (fp32, SGD)."""
+"""2-process DDP over gloo on CPU (torchrun) against one process.
+
+1. Training: same per-step losses and final weights as one process with the same global batch, and no hang
+   when the data does not split evenly over the ranks (7 examples over 2 ranks unpacked: rank 1 runs an
+   empty slot; 5 packed examples: a zero-weight batch). Loss 1e-5 relative, weights 1e-5 absolute (fp32, SGD).
+2. Every loss: one optimizer step over the same 8 examples (K = 2 and 3 responses) laid out four ways —
+   unpacked in one micro-batch, packed, 2 micro-batches of gradient accumulation, 2 gloo ranks — gives the
+   same loss (1e-5 relative) and the same gradient (the SGD update, 1e-5 relative to its largest entry).
+   The reference differs from the policy, so margins are spread out and sorting losses (aot) see no ties.
+"""
 
 from __future__ import annotations
 
@@ -20,22 +26,57 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
     from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.losses import LOSSES
     from prefixdpo.trainer import PrefixDPOTrainer
 
-    out_dir, batch = sys.argv[1], int(sys.argv[2])
+    out_dir, job = sys.argv[1], sys.argv[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def args(name, **kw):
+        base = dict(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.5, optim="sgd",
+                    lr_scheduler_type="constant", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                    beta=0.5, report_to="none", ddp_backend="gloo" if world > 1 else None)
+        base.update(kw)
+        return PrefixDPOConfig(**base)
+
+    def flat(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
     results = {{}}
-    for name, n, extra in (("unpacked", 7, {{}}), ("packed", 5, {{"packing": True, "pack_length": 64}})):
-        args = PrefixDPOConfig(
-            output_dir=os.path.join(out_dir, name), per_device_train_batch_size=batch if name == "unpacked" else 1,
-            max_steps=-1, num_train_epochs=2, logging_steps=1, learning_rate=0.5, optim="sgd",
-            lr_scheduler_type="constant", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, beta=0.5,
-            report_to="none", ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None, **extra)
-        t = PrefixDPOTrainer(model=tiny_model("llama"), args=args, train_dataset=make_examples(n, ks=(2, 3)))
-        t.train()
-        params = torch.cat([p.detach().flatten() for p in t.model.parameters()])
-        results[name] = {{"loss": [h["loss"] for h in t.state.log_history if "loss" in h],
-                          "acc": [h["rewards/accuracies"] for h in t.state.log_history if "loss" in h],
-                          "params": params[:: max(1, params.numel() // 2000)].tolist()}}
+    if job == "train":
+        for name, n, extra in (("unpacked", 7, {{}}), ("packed", 5, {{"packing": True, "pack_length": 64}})):
+            batch = int(sys.argv[3]) if name == "unpacked" else 1
+            t = PrefixDPOTrainer(model=tiny_model("llama"), train_dataset=make_examples(n, ks=(2, 3)),
+                                 args=args(name, per_device_train_batch_size=batch, max_steps=-1, num_train_epochs=2,
+                                           **extra))
+            t.train()
+            logs = [h for h in t.state.log_history if "loss" in h]
+            params = flat(t.model)
+            results[name] = {{"loss": [h["loss"] for h in logs], "rewards": [h["rewards/chosen"] for h in logs],
+                              "params": params[:: max(1, params.numel() // 2000)].tolist()}}
+    else:  # job == "losses": one optimizer step per loss and layout
+        layouts = {{"unpacked": dict(per_device_train_batch_size=8),
+                    "packed": dict(per_device_train_batch_size=16, packing=True, pack_length=64),
+                    "accumulated": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}}
+        if world > 1:
+            layouts = {{"ranks": dict(per_device_train_batch_size=4)}}
+        examples = make_examples(8, ks=(2, 3))
+        reference = tiny_model("llama")
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.mul_(0.9)
+        for loss in sorted(LOSSES):
+            for layout, kw in layouts.items():
+                policy = tiny_model("llama")
+                before = flat(policy)
+                t = PrefixDPOTrainer(model=policy, ref_model=reference, train_dataset=examples,
+                                     args=args(f"{{loss}}-{{layout}}", max_steps=1, loss_type=[loss],
+                                               label_smoothing=0.1, **kw))
+                t.train()
+                log = [h for h in t.state.log_history if "loss" in h][0]
+                update = (flat(t.model) - before) / 0.5  # SGD: -gradient
+                results[f"{{loss}}/{{layout}}"] = {{"loss": log["loss"],
+                                                   "grad": update[:: max(1, update.numel() // 4000)].tolist()}}
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as fh:
             json.dump(results, fh)
@@ -43,31 +84,47 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, nproc: int, batch: int) -> dict:
+def _run(tmp_path, nproc: int, *job: str) -> dict:
     script = tmp_path / "ddp_script.py"
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script.write_text(SCRIPT.format(tests=tests))
-    out = tmp_path / f"np{nproc}"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / f"{job[0]}-np{nproc}"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     if nproc == 1:
-        cmd = [sys.executable, str(script), str(out), str(batch)]
+        cmd = [sys.executable, str(script), str(out), *job]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               "29517", str(script), str(out), str(batch)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+               "29517", str(script), str(out), *job]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
 
 def test_two_process_ddp_matches_one_process(tmp_path):
-    one = _run(tmp_path, 1, 4)  # global batch 4 in one process
-    two = _run(tmp_path, 2, 2)  # 2 ranks x 2
+    one = _run(tmp_path, 1, "train", "4")  # global batch 4 in one process
+    two = _run(tmp_path, 2, "train", "2")  # 2 ranks x 2
     u1, u2 = one["unpacked"], two["unpacked"]
     assert len(u1["loss"]) == len(u2["loss"]) == 4  # 2 steps per epoch (4 + 3 examples), 2 epochs
     assert u2["loss"] == pytest.approx(u1["loss"], rel=1e-5)
-    assert u2["acc"] == u1["acc"]
+    assert max(abs(a - b) for a, b in zip(u1["rewards"], u2["rewards"])) < 1e-5
     assert max(abs(a - b) for a, b in zip(u1["params"], u2["params"])) < 1e-5
     # packed, uneven: it finished on both ranks (no hang) and learned something finite
     p2 = two["packed"]
     assert p2["loss"] and all(l == l for l in p2["loss"])
+
+
+def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
+    from prefixdpo.losses import LOSSES
+
+    one = _run(tmp_path, 1, "losses")
+    two = _run(tmp_path, 2, "losses")
+    results = {**one, **two}
+    for loss in sorted(LOSSES):
+        base = results[f"{loss}/unpacked"]
+        grad_scale = max(abs(g) for g in base["grad"])
+        assert grad_scale > 1e-4, loss  # the step moved the weights: the comparison means something
+        for layout in ("packed", "accumulated", "ranks"):
+            other = results[f"{loss}/{layout}"]
+            assert other["loss"] == pytest.approx(base["loss"], rel=1e-5), (loss, layout)
+            worst = max(abs(a - b) for a, b in zip(other["grad"], base["grad"]))
+            assert worst <= 1e-5 * grad_scale, (loss, layout, worst, grad_scale)

@@ -87,6 +87,28 @@ def prepare_model(model, backend: str = "sdpa") -> None:
         base.set_attn_implementation(ATTENTION_NAME)
 
 
+def restore_stock_attention(folder: str) -> None:
+    """Rewrite a saved config.json to say `sdpa` where it says prefixdpo's attention.
+
+    Our attention name exists only where prefixdpo is imported: the stock one lets
+    `AutoModelForCausalLM.from_pretrained` load the saved model anywhere.
+    """
+    import json
+    import os
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    keys = [k for k in ("_attn_implementation", "attn_implementation", "_attn_implementation_internal")
+            if cfg.get(k) == ATTENTION_NAME]
+    if keys:
+        cfg.update(dict.fromkeys(keys, "sdpa"))
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(cfg, fh, indent=2, sort_keys=True)
+
+
 def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model; return (hidden [B, L, D], the model's own logits at its last position [B, V] or None)."""
     hf = unwrap(model)

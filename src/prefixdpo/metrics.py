@@ -45,6 +45,7 @@ class MetricSums:
         self.reset()
 
     def reset(self) -> None:
+        self.last_pairs = getattr(self, "last_pairs", 0.0)  # pairs (all ranks) of the last summary
         self.values = dict.fromkeys(self.KEYS, 0.0)
         self.started = time.perf_counter()
 
@@ -63,6 +64,7 @@ class MetricSums:
         """Means under TRL's names plus throughput and token-efficiency metrics; resets the sums."""
         s = self.reduced(accelerator)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.last_pairs = s["pairs"]
         pairs = max(s["pairs"], 1.0)
         out = {f"{prefix}{k}": s[k] / pairs for k in PAIR_METRICS}
         if with_loss:

@@ -1,13 +1,20 @@
-"""Reference log-probs: from a frozen model, from the PEFT policy with its adapter off, or precomputed.
+"""The reference model of DPO as one strategy with one interface.
 
-Modes (chosen by the trainer):
+Every strategy answers `logps(policy, batch, mask, item)`: the no-grad per-response log-prob sums [R] of
+`batch` under the reference (None for reference-free losses). The trainer never asks which one it has.
 
-- ``model``:       a separate frozen reference model, one no-grad prefix-shared pass per micro-batch;
-- ``adapter``:     the LoRA policy with its adapter disabled (no second copy of the weights);
-- ``precomputed``: one prefix-shared no-grad pass over the dataset before training, cached on disk
-                   under a key of (model config + weights fingerprint, data fingerprint, settings), so a
-                   re-run with the same model, data and settings loads it instead of recomputing;
-- ``none``:        reference-free losses (SimPO, ORPO, SFT) load and run no reference.
+- `SeparateModelReference`: a frozen model (a given one, or a copy of the policy at the start), one
+  no-grad prefix-shared pass per micro-batch with the policy's mask;
+- `AdapterReference`: the PEFT policy with its adapter disabled (no second copy of the weights);
+- `PrecomputedReference`: tables of log-prob sums computed once per dataset by one of the two above and
+  cached on disk. A table belongs to the *content* of a list of examples (a fingerprint), never to a
+  Python object, and a dataset seen for the first time (e.g. `evaluate(new_data)` after training) gets
+  its table from the same source: the policy is never a silent stand-in for the reference. The source
+  model is parked on the CPU between uses, so precomputing still frees accelerator memory;
+- `NoReference`: reference-free losses (SimPO, ORPO, SFT) load and run nothing.
+
+The on-disk key covers the model config, every byte of every weight (gathered when sharded), the
+examples' content and the settings; a hit is used only if its stored key and response count match.
 """
 
 from __future__ import annotations
@@ -15,18 +22,94 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from prefixdpo.data.batch import build_batch
+from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.forward import compute_response_logps, unwrap
 
-REFERENCE_MODES = ("model", "adapter", "precomputed", "none")
-CACHE_VERSION = "prefixdpo-ref-logps-v1"
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = "prefixdpo-ref-logps-v2"
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(unwrap(model), PeftModel)
+
+
+@contextlib.contextmanager
+def _as_reference(model, adapter_off: bool):
+    """No grad, eval mode (dropout off, as TRL's reference), and the PEFT adapter off if asked."""
+    inner = unwrap(model)
+    was_training = inner.training
+    ctx = inner.disable_adapter() if adapter_off else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        inner.eval()
+        try:
+            yield model
+        finally:
+            inner.train(was_training)
+
+
+def reference_sums(model, batch: Batch, *, adapter_off: bool = False, chunk_size: int = 1024,
+                   attention_mask=None, backend: str = "auto") -> torch.Tensor:
+    """No-grad per-response log-prob sums [R] of `batch` under `model` (its adapter off if asked)."""
+    with _as_reference(model, adapter_off):
+        return compute_response_logps(model, batch, backend=backend, chunk_size=chunk_size,
+                                      attention_mask=attention_mask).sums.detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------------
+
+
+class NoReference:
+    """Reference-free losses: nothing is loaded or run."""
+
+    name = "none"
+
+    def logps(self, policy, batch, mask, item=None):
+        return None
+
+
+class SeparateModelReference:
+    """A separate frozen model, run with the policy's mask (one mask per micro-batch serves both)."""
+
+    name = "model"
+
+    def __init__(self, model, *, chunk_size: int = 1024, backend: str = "auto"):
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
+        return reference_sums(self.model, batch, chunk_size=self.chunk_size, attention_mask=mask, backend=self.backend)
+
+
+class AdapterReference:
+    """The PEFT policy with its adapter disabled: the base model the adapter started from."""
+
+    name = "adapter"
+
+    def __init__(self, *, chunk_size: int = 1024, backend: str = "auto"):
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
+        return reference_sums(policy, batch, adapter_off=True, chunk_size=self.chunk_size, attention_mask=mask,
+                              backend=self.backend)
 
 
 @dataclass
@@ -49,61 +132,109 @@ class RefLogpsTable:
         return int(self.offsets.numel() - 1)
 
 
+class PrecomputedReference:
+    """Tables computed once per dataset (by content) from `source`, cached on disk under `cache_dir`.
+
+    source: a SeparateModelReference (its model is parked on the CPU between tables) or an
+            AdapterReference (the policy with its adapter off; needs `policy` at `table_for` time).
+    The micro-batch carries its rows of the table as `item["ref_logps"]` (the loader gathers them).
+    """
+
+    name = "precomputed"
+
+    def __init__(self, source, *, cache_dir: str, batch_size: int, pad_token_id: int, device):
+        self.source = source
+        self.cache_dir = cache_dir
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.tables: dict[str, RefLogpsTable] = {}  # data fingerprint -> table
+        self.cache_hits: dict[str, bool] = {}  # dataset name -> loaded from disk
+
+    def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
+        return item["ref_logps"].to(batch.input_ids.device)
+
+    def table_for(self, examples: Sequence[Example], policy, name: str = "data") -> RefLogpsTable:
+        """The table of `examples`: in memory by content, else from the disk cache, else computed."""
+        key = data_fingerprint(examples)
+        if key not in self.tables:
+            self.tables[key] = self._load_or_compute(examples, policy, name)
+        return self.tables[key]
+
+    def _load_or_compute(self, examples, policy, name) -> RefLogpsTable:
+        adapter_off = isinstance(self.source, AdapterReference)
+        model = policy if adapter_off else self.source.model
+        settings = {"dtype": str(next(unwrap(model).parameters()).dtype), "adapter_off": adapter_off}
+        with _on_device(None if adapter_off else model, self.device):
+            table, path, hit = load_or_compute_table(
+                model, examples, self.cache_dir, adapter_off=adapter_off, settings=settings,
+                batch_size=self.batch_size, chunk_size=self.source.chunk_size, backend=self.source.backend,
+                pad_token_id=self.pad_token_id, device=self.device,
+            )
+        self.cache_hits[name] = hit
+        logger.info("reference log-probs for %s %s %s", name, "loaded from" if hit else "computed and saved to", path)
+        return table
+
+
 @contextlib.contextmanager
-def adapter_disabled(model):
-    """Run the PEFT `model` (possibly DDP-wrapped) as its base model, adapter off."""
-    peft_model = unwrap(model)
-    with peft_model.disable_adapter():
-        yield model
-
-
-def is_peft_model(model) -> bool:
+def _on_device(model, device):
+    """Bring a parked reference model to `device` for one table, then back to the CPU."""
+    if model is None or torch.device(device).type == "cpu":
+        yield
+        return
+    model.to(device)
     try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(unwrap(model), PeftModel)
+        yield
+    finally:
+        model.to("cpu")
 
 
-def reference_sums(model, batch, *, adapter: bool = False, backend: str = "auto", chunk_size: int = 1024,
-                   attention_mask=None) -> torch.Tensor:
-    """No-grad per-response log-prob sums [R] of `batch` under the reference (`model`, adapter off if asked)."""
-    ctx = adapter_disabled(model) if adapter else contextlib.nullcontext()
-    was_training = unwrap(model).training
-    with torch.no_grad(), ctx:
-        if adapter:
-            # dropout off for the reference pass, as TRL's reference is in eval mode
-            unwrap(model).eval()
-        try:
-            return compute_response_logps(
-                model, batch, backend=backend, chunk_size=chunk_size, attention_mask=attention_mask
-            ).sums.detach()
-        finally:
-            if adapter and was_training:
-                unwrap(model).train()
+def choose_reference(*, needs_reference: bool, precompute: bool, ref_model, policy, chunk_size: int,
+                     backend: str, cache_dir: str, batch_size: int, pad_token_id: int, device):
+    """The strategy TRL users expect: none for reference-free losses; a given model; the policy's adapter
+    off for PEFT; else a frozen copy of the starting policy (TRL's `create_reference_model`); precomputed
+    wraps the chosen source."""
+    import copy
+
+    if not needs_reference:
+        return NoReference()
+    if ref_model is not None:
+        source = SeparateModelReference(ref_model, chunk_size=chunk_size, backend=backend)
+    elif is_peft_model(policy):
+        source = AdapterReference(chunk_size=chunk_size, backend=backend)
+    else:
+        source = SeparateModelReference(copy.deepcopy(unwrap(policy)), chunk_size=chunk_size, backend=backend)
+    if not precompute:
+        return source
+    if isinstance(source, SeparateModelReference):
+        source.model.to("cpu")  # parked: used only to compute tables
+    return PrecomputedReference(source, cache_dir=cache_dir, batch_size=batch_size, pad_token_id=pad_token_id,
+                                device=device)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fingerprints and the on-disk cache
 # ---------------------------------------------------------------------------------------------
 
-_SAMPLE = 1 << 20  # elements hashed per tensor at most (a strided sample of bigger tensors)
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded DTensor (FSDP2) is gathered first."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def weights_fingerprint(model, *, skip_adapter: bool = False) -> str:
-    """sha256 of parameter names, shapes, dtypes and values (a strided sample of big tensors).
+    """sha256 of every parameter and buffer: names, shapes, dtypes and every byte of every element.
 
     skip_adapter: leave out LoRA parameters (the reference is the base model with the adapter off).
     """
     h = hashlib.sha256()
-    for name, p in unwrap(model).named_parameters():
+    inner = unwrap(model)
+    for name, t in [*inner.named_parameters(), *inner.named_buffers()]:
         if skip_adapter and "lora_" in name:
             continue
-        t = p.detach().flatten()
-        step = max(1, t.numel() // _SAMPLE)
-        sample = t[::step].contiguous().cpu()
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes())
+        full = _full(t.detach()).contiguous().cpu()
+        h.update(f"{name}|{tuple(full.shape)}|{full.dtype}|".encode())
+        h.update(full.flatten().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -132,7 +263,7 @@ def cache_key(model, examples: Sequence[Example], settings: dict, *, skip_adapte
         "data": data_fingerprint(examples),
         "settings": settings,
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _dist():
@@ -142,8 +273,8 @@ def _dist():
 
 
 def compute_table(
-    model, examples: Sequence[Example], *, adapter: bool = False, batch_size: int = 8, backend: str = "auto",
-    chunk_size: int = 1024, pad_token_id: int = 0, device=None,
+    model, examples: Sequence[Example], *, adapter_off: bool = False, batch_size: int = 8, chunk_size: int = 1024,
+    backend: str = "auto", pad_token_id: int = 0, device=None,
 ) -> RefLogpsTable:
     """One no-grad prefix-shared pass over `examples` (sharded over ranks, then gathered)."""
     rank, world = _dist()
@@ -154,7 +285,8 @@ def compute_table(
     for start in range(0, len(mine), batch_size):
         ids = mine[start : start + batch_size]
         batch = build_batch([examples[i] for i in ids], prefix_sharing=True, pad_token_id=pad_token_id).to(device)
-        sums = reference_sums(model, batch, adapter=adapter, backend=backend, chunk_size=chunk_size).float().cpu()
+        sums = reference_sums(model, batch, adapter_off=adapter_off, chunk_size=chunk_size,
+                              backend=backend).float().cpu()
         offset = 0
         for i in ids:
             k = examples[i].num_responses
@@ -172,24 +304,25 @@ def compute_table(
 
 
 def load_or_compute_table(
-    model, examples: Sequence[Example], cache_dir: str, *, adapter: bool = False, settings: dict | None = None,
+    model, examples: Sequence[Example], cache_dir: str, *, adapter_off: bool = False, settings: dict | None = None,
     **kwargs,
 ) -> tuple[RefLogpsTable, str, bool]:
-    """The reference table from `cache_dir` if a file with this key exists, else computed and saved.
+    """The reference table from `cache_dir` if a file with this key exists and holds this key and this many
+    responses, else computed and saved. Returns (table, path, loaded_from_cache)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    Returns (table, path, loaded_from_cache).
-    """
-    from safetensors.torch import load_file, save_file
-
-    settings = dict(settings or {})
-    key = cache_key(model, examples, settings, skip_adapter=adapter)
-    path = os.path.join(cache_dir, f"ref_logps_{key}.safetensors")
+    key = cache_key(model, examples, dict(settings or {}), skip_adapter=adapter_off)
+    path = os.path.join(cache_dir, f"ref_logps_{key[:32]}.safetensors")
+    responses = sum(ex.num_responses for ex in examples)
     if os.path.isfile(path):
-        data = load_file(path)
-        table = RefLogpsTable(data["sums"], data["offsets"])
-        if len(table) == len(examples):
+        with safe_open(path, framework="pt") as fh:
+            stored_key = (fh.metadata() or {}).get("key")
+            table = RefLogpsTable(fh.get_tensor("sums"), fh.get_tensor("offsets"))
+        if stored_key == key and len(table) == len(examples) and table.sums.numel() == responses:
             return table, path, True
-    table = compute_table(model, examples, adapter=adapter, **kwargs)
+        logger.warning("ignoring reference cache %s: it belongs to other data or weights", path)
+    table = compute_table(model, examples, adapter_off=adapter_off, **kwargs)
     rank, _ = _dist()
     if rank == 0:
         os.makedirs(cache_dir, exist_ok=True)

@@ -1,55 +1,53 @@
 """`PrefixDPOTrainer`: DPO-family training on prefix-shared rows, built on `transformers.Trainer`.
 
-Trainer keeps everything that is not preference-specific (optimizer, schedules, checkpoints and
-resume, mixed precision, logging integrations, DDP/FSDP/DeepSpeed). We replace four things:
+Trainer keeps everything that is not preference-specific (optimizer, schedules, checkpoints and resume,
+mixed precision, logging integrations, DDP/FSDP/DeepSpeed). We supply:
 
-- the data loaders: each item is one micro-batch `Batch` (padded or packed lines), planned per epoch
-  with the seed, the same number of micro-batches on every rank (`data/loader.py`);
-- `compute_loss`: policy log-probs with grad, reference log-probs without (`reference.py`), the
-  per-pair losses (`losses.py`), normalised by the pairs of the whole optimizer step;
+- data: each loader item is one micro-batch (padded or packed lines), planned per epoch with the seed,
+  the same number of micro-batches on every rank (`data/loader.py`); re-planned by `EpochPlanCallback`;
+- `compute_loss`: `step.pair_losses` (policy, reference strategy, losses) for the micro-batch, normalised
+  by the pairs of the whole optimizer step;
 - evaluation: a pair-weighted loop returning `eval_loss`, `eval_rewards/accuracies`, ...;
 - logging: TRL's metric names, reduced over ranks (`metrics.py`).
 
-Gradient normalisation. A micro-batch's loss is ``sum(pair losses) * W / N`` where N is the number
-of pairs in the optimizer step over all W ranks (known from the plan, no communication). DDP averages
-gradients over ranks (the W cancels), and `loss_is_scaled_for_ga = True` stops Trainer from dividing
-by the accumulation steps again, so every step's gradient is that of the mean pair loss of the step,
-however packing spread the pairs over micro-batches.
+Gradient normalisation. A micro-batch's loss is ``sum(pair losses) * W / N`` where N is the number of
+pairs in the optimizer step over all W ranks (known from the plan, no communication). DDP averages
+gradients over ranks (the W cancels), and `loss_is_scaled_for_ga = True` stops Trainer from dividing by
+the accumulation steps again, so every step's gradient is that of the mean pair loss of the step, however
+packing spread the pairs over micro-batches.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
-from typing import Any, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput, get_last_checkpoint
 
 from prefixdpo.attention.backends import build_attention_mask, resolve_backend
-from prefixdpo.config import PrefixDPOConfig, data_options
+from prefixdpo.config import PrefixDPOConfig
+from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
-from prefixdpo.forward import compute_response_logps, final_hidden_states, prepare_model, unwrap
+from prefixdpo.forward import final_hidden_states, prepare_model, unwrap
 from prefixdpo.logprobs import lm_head_fn
-from prefixdpo.losses import BCORunningMean, LossConfigError, PairLogps, combined_loss
-from prefixdpo.metrics import MetricSums, pair_metric_sums
-from prefixdpo.reference import is_peft_model, load_or_compute_table, reference_sums
+from prefixdpo.metrics import MetricSums
+from prefixdpo.reference import PrecomputedReference, choose_reference, is_peft_model
+from prefixdpo.step import Objective, pair_losses
+from prefixdpo.step_context import StepContextBuilder
 
 logger = logging.getLogger(__name__)
+
+STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
 
 
 class NonFiniteLossError(ValueError):
     """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
-
-
-def _load_causal_lm(name: str, args: PrefixDPOConfig):
-    dtype = torch.bfloat16 if args.bf16 else "auto"
-    return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=args.trust_remote_code, dtype=dtype)
 
 
 def _disable_dropout(model) -> None:
@@ -65,117 +63,104 @@ def _is_examples(data) -> bool:
 class PrefixDPOTrainer(Trainer):
     """DPO-family preference training with prefix sharing; TRL `DPOTrainer`-shaped constructor.
 
-    model:        a causal LM or its name/path (loaded with safetensors; no remote code unless
-                  `args.trust_remote_code`).
-    ref_model:    a separate frozen reference (model or name); None = the PEFT policy with its adapter
-                  off, or a frozen copy of `model`; not loaded at all for reference-free losses.
-    train_dataset / eval_dataset: a list of `Example`s (used as is), or records / a `datasets.Dataset`
-                  / a path, run through `prepare_examples` with `processing_class`; eval may be a dict.
+    model:        a causal LM or its name/path (safetensors; no remote code unless `args.trust_remote_code`).
+    ref_model:    a separate frozen reference (model or name); None = the PEFT policy with its adapter off,
+                  or a frozen copy of `model`; nothing at all for reference-free losses.
+    train_dataset / eval_dataset: a list of `Example`s (used as is), or records / a `datasets.Dataset` / a
+                  path, run through `prepare_examples` with `processing_class`; eval may be a dict.
     peft_config:  a `peft` config (e.g. `LoraConfig`) to wrap `model` with.
     """
 
     # compute_loss already divides by the step's pair count (see module docstring)
     loss_is_scaled_for_ga = True
 
-    def __init__(
-        self,
-        model=None,
-        ref_model=None,
-        args: PrefixDPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        peft_config=None,
-        data_options=None,
-        callbacks=None,
-        optimizers=(None, None),
-    ):
+    def __init__(self, model=None, ref_model=None, args: PrefixDPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, peft_config=None, data_options=None, callbacks=None,
+                 optimizers=(None, None)):
         args = args if args is not None else PrefixDPOConfig()
         if not isinstance(args, PrefixDPOConfig):
             raise TypeError("args must be a PrefixDPOConfig")
         if isinstance(model, str):
-            if processing_class is None:
-                processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-            model = _load_causal_lm(model, args)
+            from prefixdpo.models import load_causal_lm, load_tokenizer
+
+            processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
+            model = load_causal_lm(model, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
         if model is None:
             raise ValueError("PrefixDPOTrainer needs a model (a model object or a name/path)")
-        if peft_config is not None:
-            if is_peft_model(model):
-                raise ValueError("model is already a PEFT model; do not pass peft_config as well")
-            from peft import get_peft_model
-
-            if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
-                model.enable_input_require_grads()
-            model = get_peft_model(model, peft_config)
+        model = self._wrap_peft(model, peft_config, args)
         if args.disable_dropout:
             _disable_dropout(model)
+        self.backend = resolve_backend(args.attention, args.device, needs_grad=True)  # once, for every pass
+        prepare_model(model, self.backend)
 
-        self._backend_name = args.attention
-        device_backend = resolve_backend(args.attention, args.device, needs_grad=True)
-        prepare_model(model, device_backend)
-
-        # ---- reference mode ----
-        self.ref_model = None
-        if not args.needs_reference:
-            self.reference_mode = "none"
-        elif args.precompute_ref_log_probs:
-            self.reference_mode = "precomputed"
-        elif ref_model is not None:
-            self.reference_mode = "model"
-        elif is_peft_model(model):
-            self.reference_mode = "adapter"
+        self._data_options = data_options or default_data_options(args)
+        self.data_reports: dict = {}
+        train_examples = self._as_examples(train_dataset, processing_class, "train")
+        if isinstance(eval_dataset, Mapping):
+            eval_examples = {k: self._as_examples(v, processing_class, f"eval_{k}") for k, v in eval_dataset.items()}
         else:
-            self.reference_mode = "model"
-            ref_model = copy.deepcopy(model)  # TRL's create_reference_model: a frozen copy of the start
-        if self.reference_mode in ("model", "precomputed") and isinstance(ref_model, str):
-            ref_model = _load_causal_lm(ref_model, args)
-        if ref_model is not None and self.reference_mode != "none":
-            prepare_model(ref_model, resolve_backend(args.attention, args.device, needs_grad=False))
-            ref_model.eval()
-            ref_model.requires_grad_(False)
+            eval_examples = self._as_examples(eval_dataset, processing_class, "eval")
+
+        super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
+                         eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.add_callback(_PrefixDPOCallback(self))
+
+        if isinstance(ref_model, str):
+            from prefixdpo.models import load_causal_lm
+
+            ref_model = load_causal_lm(ref_model, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+        if ref_model is not None:
+            prepare_model(ref_model, self.backend)
             if args.disable_dropout:
                 _disable_dropout(ref_model)
-            self.ref_model = ref_model
-
-        # ---- data ----
-        self._data_options = data_options
-        self.data_reports: dict[str, Any] = {}
-        train_examples = self._as_examples(train_dataset, processing_class, args, "train")
-        if isinstance(eval_dataset, Mapping):
-            eval_examples = {k: self._as_examples(v, processing_class, args, f"eval_{k}") for k, v in eval_dataset.items()}
-        else:
-            eval_examples = self._as_examples(eval_dataset, processing_class, args, "eval")
-
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=lambda items: items[0],
-            train_dataset=train_examples,
-            eval_dataset=eval_examples,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
+            if not args.precompute_ref_log_probs:
+                ref_model.to(self.accelerator.device)
+        self.reference = choose_reference(
+            needs_reference=args.needs_reference, precompute=args.precompute_ref_log_probs, ref_model=ref_model,
+            policy=self.model, chunk_size=args.logprob_chunk_size, backend=self.backend,
+            cache_dir=args.resolved_ref_cache_dir(),
+            batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
+            pad_token_id=self.pad_token_id, device=self.accelerator.device,
         )
-        if self.ref_model is not None and self.reference_mode == "model":
-            self.ref_model.to(self.accelerator.device)
-
-        self.loss_params = args.loss_params()
-        self.bco_state = BCORunningMean() if "bco_pair" in args.loss_types else None
+        self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params())
+        self.step_context = StepContextBuilder(self.objective, self.accelerator)
         self._metrics = {"train": MetricSums(), "eval": MetricSums()}
+        self._pairs_trained = 0.0
         self._nonfinite = False
         self._train_micro: MicroBatches | None = None
-        self.ref_tables: dict[int, Any] = {}
-        self.ref_cache_hits: dict[str, bool] = {}
-        if self.reference_mode == "precomputed":
-            self._precompute_reference()
-            if self.ref_model is not None:
-                self.ref_model = None  # its log-probs are on disk now: free the memory
+        if isinstance(self.reference, PrecomputedReference):  # before training, as TRL does
+            self._precompute_tables()
 
-    # ------------------------------------------------------------------------------------------
-    # data
-    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _wrap_peft(model, peft_config, args):
+        if peft_config is None:
+            return model
+        if is_peft_model(model):
+            raise ValueError("model is already a PEFT model; do not pass peft_config as well")
+        from peft import get_peft_model
 
-    def _as_examples(self, data, tokenizer, args, name: str):
+        if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+        return get_peft_model(model, peft_config)
+
+    @property
+    def reference_mode(self) -> str:
+        """'model', 'adapter', 'precomputed' or 'none'."""
+        return self.reference.name
+
+    @property
+    def ref_model(self):
+        """The separate reference model on the device, if one runs every step (None otherwise)."""
+        return getattr(self.reference, "model", None)
+
+    @property
+    def ref_cache_hits(self) -> dict[str, bool]:
+        return getattr(self.reference, "cache_hits", {})
+
+    # ---- data -------------------------------------------------------------------------------
+
+    def _as_examples(self, data, tokenizer, name: str):
         if data is None:
             return None
         if _is_examples(data):
@@ -186,7 +171,7 @@ class PrefixDPOTrainer(Trainer):
             raise ValueError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
         from prefixdpo.data.prepare import prepare_examples
 
-        prepared = prepare_examples(data, tokenizer, self._data_options or data_options(args))
+        prepared = prepare_examples(data, tokenizer, self._data_options)
         self.data_reports[name] = prepared.report
         if not prepared.examples:
             raise ValueError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
@@ -205,22 +190,30 @@ class PrefixDPOTrainer(Trainer):
         a = self.args
         return LoaderSettings(
             batch_size=self._train_batch_size if train else a.per_device_eval_batch_size,
-            prefix_sharing=a.prefix_sharing,
-            packing=a.packing,
+            prefix_sharing=a.prefix_sharing, packing=a.packing,
             pack_length=None if str(a.pack_length) == "auto" else int(a.pack_length),
-            pad_token_id=self.pad_token_id,
-            pad_multiple=a.pad_to_multiple_of or 1,
-            bucket=resolve_backend(a.attention, a.device, needs_grad=train) == "flex",
-            shuffle=train,
+            pad_token_id=self.pad_token_id, pad_multiple=a.pad_to_multiple_of or 1, bucket=self.backend == "flex",
+            shuffle=train and a.train_sampling_strategy != "sequential",
             seed=a.data_seed if a.data_seed is not None else a.seed,
             grad_accum=a.gradient_accumulation_steps if train else 1,
         )
 
-    def _micro_batches(self, examples: Sequence[Example], *, train: bool) -> MicroBatches:
-        return MicroBatches(
-            examples, self._loader_settings(train=train), rank=self.args.process_index,
-            world_size=self.args.world_size, ref_table=self.ref_tables.get(id(examples)),
-        )
+    def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
+        table = None
+        if isinstance(self.reference, PrecomputedReference):
+            table = self.reference.table_for(examples, self.model, name)
+        return MicroBatches(examples, self._loader_settings(train=train), rank=self.args.process_index,
+                            world_size=self.args.world_size, ref_table=table)
+
+    def _precompute_tables(self) -> None:
+        named = [("train", self.train_dataset)]
+        if isinstance(self.eval_dataset, Mapping):
+            named += [(f"eval_{k}", v) for k, v in self.eval_dataset.items()]
+        else:
+            named.append(("eval", self.eval_dataset))
+        for name, examples in named:
+            if examples is not None:
+                self.reference.table_for(examples, self.model, name)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -231,123 +224,60 @@ class PrefixDPOTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("PrefixDPOTrainer: evaluation needs an eval_dataset")
+        name = "eval"
         if isinstance(eval_dataset, str):
-            examples = self.eval_dataset[eval_dataset]
+            name, examples = f"eval_{eval_dataset}", self.eval_dataset[eval_dataset]
         elif eval_dataset is not None:
-            examples = eval_dataset if _is_examples(eval_dataset) else self._as_examples(
-                eval_dataset, self.processing_class, self.args, "eval")
+            examples = self._as_examples(eval_dataset, self.processing_class, "eval")
         else:
             examples = self.eval_dataset
-        if self.reference_mode == "precomputed" and id(examples) not in self.ref_tables:
-            self._precompute_reference([("eval_extra", examples)])
-        return make_dataloader(self._micro_batches(examples, train=False))
-
-    def _run_epoch(self, *args, **kwargs):
-        # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates (and maybe
-        # skips into) them; Trainer's own set_epoch call does not reach us after a resume skip.
-        epoch = kwargs["epoch"] if "epoch" in kwargs else args[1]
-        if self._train_micro is not None:
-            self._train_micro.set_epoch(epoch)
-        return super()._run_epoch(*args, **kwargs)
+        return make_dataloader(self._micro_batches(examples, train=False, name=name))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        samples = []
-        for _ in range(num_batches):
-            try:
-                samples.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        # The step's pair count over all ranks, planned ahead (identical in every micro-batch of the step).
-        return samples, (samples[0]["step_pairs"] if samples else None)
+        # All micro-batches of one optimizer step are in hand here: losses coupled across the step's pairs
+        # (sft, aot, bco_pair) get their step-wide context before the first forward.
+        samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.step_context.attach(samples, self._prepass)
+        return samples, None
 
-    # ------------------------------------------------------------------------------------------
-    # reference
-    # ------------------------------------------------------------------------------------------
+    def _prepass(self, item):
+        """No-grad per-pair log-probs of one micro-batch (for the step context); caches its reference sums."""
+        from prefixdpo.step import pair_logps
 
-    def _precompute_reference(self, datasets=None) -> None:
-        if datasets is None:
-            datasets = [("train", self.train_dataset)]
-            if isinstance(self.eval_dataset, Mapping):
-                datasets += [(f"eval_{k}", v) for k, v in self.eval_dataset.items()]
-            elif self.eval_dataset is not None:
-                datasets.append(("eval", self.eval_dataset))
-        source = self.ref_model if self.ref_model is not None else self.model
-        adapter = self.ref_model is None and is_peft_model(self.model)
-        backend = resolve_backend(self.args.attention, self.args.device, needs_grad=False)
-        settings = {"dtype": str(next(unwrap(source).parameters()).dtype), "adapter_off": adapter}
-        for name, examples in datasets:
-            if examples is None:
-                continue
-            table, path, hit = load_or_compute_table(
-                source, examples, self.args.resolved_ref_cache_dir(), adapter=adapter, settings=settings,
-                batch_size=self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size,
-                backend=backend, chunk_size=self.args.logprob_chunk_size, pad_token_id=self.pad_token_id,
-                device=self.args.device,
-            )
-            self.ref_tables[id(examples)] = table
-            self.ref_cache_hits[name] = hit
-            logger.info("reference log-probs for %s %s %s", name, "loaded from" if hit else "computed and saved to", path)
+        batch = item["batch"].to(self.args.device)
+        with torch.no_grad():
+            pairs = pair_logps(self.model, batch, reference=self.reference, backend=self.backend,
+                               chunk_size=self.args.logprob_chunk_size, item=item)
+        return pairs
 
-    def _reference(self, model, inputs: dict, batch, backend: str, mask) -> torch.Tensor | None:
-        """Reference sums [R] for the batch, by the trainer's reference mode."""
-        if self.reference_mode == "none":
-            return None
-        if self.reference_mode == "precomputed":
-            return inputs["ref_logps"].to(batch.input_ids.device)
-        if self.reference_mode == "adapter":
-            return reference_sums(model, batch, adapter=True, backend=backend,
-                                  chunk_size=self.args.logprob_chunk_size, attention_mask=mask)
-        return reference_sums(self.ref_model, batch, backend=backend,
-                              chunk_size=self.args.logprob_chunk_size, attention_mask=mask)
+    # ---- loss -------------------------------------------------------------------------------
 
-    # ------------------------------------------------------------------------------------------
-    # loss
-    # ------------------------------------------------------------------------------------------
-
-    def _pair_losses(self, model, inputs: dict, split: str):
-        """Per-pair losses [P] of one micro-batch (None for a zero-weight batch); records metric sums."""
+    def _pair_step(self, model, inputs: dict, split: str):
+        """The micro-batch's PairStep (None for a zero-weight batch); adds its metric sums to `split`."""
         batch = inputs["batch"].to(self.args.device)
         if batch.num_pairs == 0:
             return None, batch
-        backend = resolve_backend(self.args.attention, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-        policy = compute_response_logps(model, batch, backend=backend, chunk_size=self.args.logprob_chunk_size,
-                                        attention_mask=mask)
-        ref = self._reference(model, inputs, batch, backend, mask)
-        b, w = batch.pair_better, batch.pair_worse
-        lengths = policy.counts.to(policy.sums.dtype)
-        pair_inputs = PairLogps(
-            policy_chosen_logps=policy.sums[b], policy_rejected_logps=policy.sums[w],
-            ref_chosen_logps=None if ref is None else ref[b].to(policy.sums.dtype),
-            ref_rejected_logps=None if ref is None else ref[w].to(policy.sums.dtype),
-            chosen_lengths=lengths[b], rejected_lengths=lengths[w],
-        )
-        losses, _ = combined_loss(self.args.loss_types, self.args.loss_weight_list, pair_inputs,
-                                  self.loss_params, self.bco_state)
-        stats = pair_metric_sums(pair_inputs.policy_chosen_logps, pair_inputs.policy_rejected_logps,
-                                 pair_inputs.ref_chosen_logps, pair_inputs.ref_rejected_logps,
-                                 pair_inputs.chosen_lengths, pair_inputs.rejected_lengths, self.args.beta)
-        stats.update(pairs=batch.num_pairs, loss_sum=losses.detach().sum().item(),
+        context = inputs.get("step_context") if split == "train" else (
+            self.step_context.for_evaluation if self.step_context.enabled else None)
+        result = pair_losses(model, batch, reference=self.reference, objective=self.objective, backend=self.backend,
+                             chunk_size=self.args.logprob_chunk_size, item=inputs, context=context)
+        stats = result.metric_sums(self.args.beta)
+        stats.update(pairs=batch.num_pairs, loss_sum=result.losses.detach().sum().item(),
                      **{k: inputs[k] for k in ("real_tokens", "slots", "shared_tokens", "unshared_tokens")})
         self._metrics[split].add(stats)
-        return losses, batch
-
-    def _zero_weight_loss(self, model, batch) -> torch.Tensor:
-        """0 x (a function of every parameter): runs the model so DDP's gradient sync still happens."""
-        backend = resolve_backend(self.args.attention, batch.input_ids.device, needs_grad=True)
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-        hidden, _ = final_hidden_states(model, batch, mask)
-        return lm_head_fn(unwrap(model))(hidden[:, -1]).sum() * 0.0
+        return result, batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        losses, batch = self._pair_losses(model, inputs, "train")
-        if losses is None:
-            loss = self._zero_weight_loss(model, batch)
+        result, batch = self._pair_step(model, inputs, "train")
+        if result is None:
+            # a rank-balancing empty slot: 0 x a function of every parameter, so DDP's gradient sync still runs
+            hidden, _ = final_hidden_states(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
+                                                                               self.backend))
+            loss = lm_head_fn(unwrap(model))(hidden[:, -1]).sum() * 0.0
         else:
-            step_pairs = num_items_in_batch if num_items_in_batch is not None else batch.num_pairs
-            # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum
-            # over ranks of (pair losses / all pairs of the step).
-            loss = losses.sum() * (self.accelerator.num_processes / max(int(step_pairs), 1))
+            # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
+            # ranks of (pair losses / all pairs of the step)
+            loss = result.losses.sum() * (self.accelerator.num_processes / max(int(inputs["step_pairs"]), 1))
         return (loss, {}) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -367,31 +297,32 @@ class PrefixDPOTrainer(Trainer):
                 )
         return loss
 
-    # ------------------------------------------------------------------------------------------
-    # evaluation and logging
-    # ------------------------------------------------------------------------------------------
+    # ---- evaluation and logging -------------------------------------------------------------
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
+        # Trainer's loop concatenates logits and labels per batch; ours weighs every pair equally instead.
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         was_training = model.training
         model.eval()
-        sums = MetricSums()
-        self._metrics["eval"] = sums
+        sums = self._metrics["eval"] = MetricSums()
         with torch.no_grad():
             for inputs in dataloader:
-                self._pair_losses(model, inputs, "eval")
-        if was_training:
-            model.train()
+                self._pair_step(model, inputs, "eval")
+        model.train(was_training)
         pairs = int(sums.reduced(self.accelerator)["pairs"])
         metrics = sums.summary(self.accelerator, prefix=f"{metric_key_prefix}_", with_loss=True)
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=pairs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Training logs (they carry "loss") get the metrics of the steps since the last log; every rank
-        # reaches this point together, so the reduce inside is safe.
+        # Every rank reaches this point together, so the reduce inside `summary` is safe.
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
             logs = {**logs, **self._metrics["train"].summary(self.accelerator)}
+            self._pairs_trained += self._metrics["train"].last_pairs
+        if "train_runtime" in logs:  # Trainer counts micro-batches as samples; a sample here is a pair
+            self._metrics["train"].summary(self.accelerator)
+            self._pairs_trained += self._metrics["train"].last_pairs
+            logs["train_samples_per_second"] = round(self._pairs_trained / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs) -> int:
@@ -399,9 +330,7 @@ class PrefixDPOTrainer(Trainer):
         params = sum(p.numel() for p in unwrap(self.model).parameters())
         return 6 * params * int(inputs.get("real_tokens", 0)) if isinstance(inputs, Mapping) else 0
 
-    # ------------------------------------------------------------------------------------------
-    # train / save
-    # ------------------------------------------------------------------------------------------
+    # ---- train / save -----------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Trainer.train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
@@ -410,22 +339,40 @@ class PrefixDPOTrainer(Trainer):
             if last is None:
                 raise ValueError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
             resume_from_checkpoint = last
+        if isinstance(resume_from_checkpoint, str):
+            path = os.path.join(resume_from_checkpoint, STATE_FILE)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as fh:
+                    self.step_context.load_state_dict(json.load(fh))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        path = os.path.join(output_dir, "config.json")
-        if self.args.should_save and os.path.isfile(path):
-            # Our attention name exists only where prefixdpo is imported: save the stock one so
-            # `AutoModelForCausalLM.from_pretrained` loads the model anywhere.
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-            changed = False
-            for key in ("_attn_implementation", "attn_implementation", "_attn_implementation_internal"):
-                if cfg.get(key) == "prefixdpo":
-                    cfg[key] = "sdpa"
-                    changed = True
-            if changed:
-                with open(path, "w", encoding="utf-8") as fh:
-                    json.dump(cfg, fh, indent=2, sort_keys=True)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        from prefixdpo.forward import restore_stock_attention
+
+        if self.args.should_save:
+            restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
+
+
+class _PrefixDPOCallback(TrainerCallback):
+    """Trainer events we act on, through the public callback hooks."""
+
+    def __init__(self, trainer: PrefixDPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._metrics["train"].reset()  # throughput excludes set-up
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates, or skips into them
+        # on resume. `state.epoch` is a whole number at an epoch's start, and epoch + fraction on resume.
+        micro = self.trainer._train_micro
+        if micro is not None:
+            micro.set_epoch(math.floor(state.epoch + 1e-9))
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if os.path.isdir(folder):
+                with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
+                    json.dump(self.trainer.step_context.state_dict(), fh)

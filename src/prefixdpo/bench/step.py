@@ -1,9 +1,9 @@
 """A lean DPO training step, the same code for every benchmark mode.
 
 policy forward + backward (with grad), reference forward (no grad), sigmoid DPO loss, AdamW step.
-Both forwards go through `prefixdpo.forward.compute_response_logps` (the model's own body with our
-attention, LM head only where a response token is predicted), with ONE attention mask built per step
-and shared by the two passes. Nothing here knows which mode built the batch: any speed difference
+The losses come from `prefixdpo.step.pair_losses`, the trainer's own micro-batch function (the model's
+own body with our attention, LM head only where a response token is predicted, ONE attention mask per
+step shared by the policy and reference passes). Nothing here knows which mode built the batch: any speed difference
 between modes comes from the batch layout (prefix sharing, packing), not from different code.
 """
 
@@ -11,31 +11,23 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.forward import compute_response_logps
-from prefixdpo.losses import sigmoid_loss
+from prefixdpo.losses import LossParams
+from prefixdpo.reference import SeparateModelReference
+from prefixdpo.step import Objective, pair_losses
 
 __all__ = ["dpo_losses", "DPOStep"]
 
 
-def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1, chunk_size: int = 1024,
-               attention_mask=None) -> torch.Tensor:
-    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`; grad flows into `policy` if enabled.
-
-    The reference pass runs under no_grad. The score of a response is its summed log-prob minus the
-    reference's (TRL's sigmoid loss, beta-scaled margin of chosen over rejected).
-    """
-    if attention_mask is None:
-        attention_mask = build_attention_mask(
-            batch.doc_ids, batch.branch_ids, resolve_backend(backend, batch.input_ids.device, needs_grad=False))
-    with torch.no_grad():
-        ref = compute_response_logps(reference, batch, backend=backend, chunk_size=chunk_size,
-                                     attention_mask=attention_mask).sums
-    pol = compute_response_logps(policy, batch, backend=backend, chunk_size=chunk_size,
-                                 attention_mask=attention_mask).sums
-    better, worse = batch.pair_better, batch.pair_worse
-    return sigmoid_loss(pol[better] - ref[better], pol[worse] - ref[worse], beta)
+def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1, chunk_size: int = 1024) -> torch.Tensor:
+    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with a
+    separate reference model; grad flows into `policy` if enabled."""
+    backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
+    ref = reference if isinstance(reference, SeparateModelReference) else SeparateModelReference(
+        reference, chunk_size=chunk_size, backend=backend)
+    return pair_losses(policy, batch, reference=ref, objective=Objective(params=LossParams(beta=beta)),
+                       backend=backend, chunk_size=chunk_size).losses
 
 
 class DPOStep:
@@ -48,7 +40,7 @@ class DPOStep:
     def __init__(self, policy, reference, *, backend: str, lr: float = 1e-6, beta: float = 0.1,
                  chunk_size: int = 1024):
         self.policy = policy
-        self.reference = reference
+        self.reference = SeparateModelReference(reference, chunk_size=chunk_size, backend=backend)
         self.backend = backend
         self.beta = beta
         self.chunk_size = chunk_size
@@ -61,10 +53,8 @@ class DPOStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=True)
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-        loss = dpo_losses(self.policy, self.reference, batch, backend=backend, beta=self.beta,
-                          chunk_size=self.chunk_size, attention_mask=mask).mean()
+        loss = dpo_losses(self.policy, self.reference, batch, backend=self.backend, beta=self.beta,
+                          chunk_size=self.chunk_size).mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,88 @@
+"""The optimizer step's view for losses coupled across pairs (sft, orpo, aot, aot_unpaired, bco_pair).
+
+Trainer hands us all micro-batches of one optimizer step before the first forward
+(`PrefixDPOTrainer.get_batch_samples`). We collect what the coupled losses need over the step's pairs on
+every rank, build the step's context once (`prefixdpo.objective.step_context`), and give each micro-batch
+its slice (`item["step_context"]`), so packing, gradient accumulation and world size cannot change the loss:
+
+- sft / orpo / RPO need the step's chosen-token total: from the data, no forward;
+- aot, aot_unpaired and training bco_pair need every pair's detached log-probs: one no-grad pre-pass over
+  this rank's micro-batches (policy and reference), gathered over ranks. That pass is their extra cost.
+
+Pairs are numbered rank by rank, then micro-batch by micro-batch, then in batch order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixdpo.objective import (
+    BCORunningMean,
+    StepPairs,
+    canonical_loss_types,
+    needs_step_pairs,
+    step_context,
+)
+
+COUPLED = frozenset({"sft", "orpo", "aot", "aot_unpaired", "bco_pair"})
+
+
+class StepContextBuilder:
+    """Builds and attaches the step context; owns BCO's running mean (saved in checkpoints)."""
+
+    def __init__(self, objective, accelerator):
+        self.objective = objective
+        self.accelerator = accelerator
+        self.names = canonical_loss_types(objective.loss_types)
+        self.enabled = bool(COUPLED & set(self.names))
+        self.needs_pairs = needs_step_pairs(self.names, train=True)
+        self.bco = BCORunningMean()
+
+    def attach(self, samples: list[dict], prepass) -> None:
+        """Set `item["step_context"]` on every micro-batch of the step. prepass(item) -> detached PairLogps."""
+        if not self.enabled or not samples:
+            return
+        rows, counts = [], []  # per pair: chosen tokens[, policy c, policy r, ref c, ref r]
+        for item in samples:
+            batch = item["batch"]
+            cols = [batch.response_lengths[batch.pair_better].double()]
+            if self.needs_pairs and batch.num_pairs:
+                p = prepass(item)
+                cols += [t.detach().double().cpu() for t in (p.policy_chosen_logps, p.policy_rejected_logps,
+                                                              p.ref_chosen_logps, p.ref_rejected_logps)]
+            width = 5 if self.needs_pairs else 1
+            rows.append(torch.stack(cols, dim=1) if batch.num_pairs else torch.zeros(0, width, dtype=torch.float64))
+            counts.append(batch.num_pairs)
+        everyone = self._gather(torch.cat(rows))  # one [P_rank, width] tensor per rank, in rank order
+        offset = sum(int(t.shape[0]) for t in everyone[: self.accelerator.process_index])
+        step = torch.cat(everyone)
+        planned = int(samples[0]["step_pairs"])
+        if step.shape[0] != planned:
+            raise RuntimeError(f"step context: gathered {step.shape[0]} pairs, the plan says {planned}")
+        pairs = StepPairs(*step[:, 1:5].unbind(1)) if self.needs_pairs else None
+        context = step_context(self.names, self.objective.params, pairs, num_pairs=planned,
+                               chosen_tokens=float(step[:, 0].sum()), bco_state=self.bco, train=True)
+        for item, n in zip(samples, counts):
+            item["step_context"] = context.local(torch.arange(offset, offset + n))
+            offset += n
+
+    def for_evaluation(self, inputs):
+        """Context of one evaluation micro-batch (its own pairs; BCO reads the running mean, never moves it)."""
+        pairs = StepPairs.of(inputs) if needs_step_pairs(self.names, train=False) else None
+        return step_context(self.names, self.objective.params, pairs, num_pairs=inputs.policy_chosen_logps.numel(),
+                            chosen_tokens=inputs.chosen_lengths.sum(), bco_state=self.bco, train=False)
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.accelerator.num_processes == 1:
+            return [t]
+        from accelerate.utils import gather_object
+
+        width = t.shape[1]
+        return [torch.tensor(part, dtype=torch.float64).reshape(-1, width) for part in gather_object([t.tolist()])]
+
+    def state_dict(self) -> dict:
+        return {"bco_running_mean": self.bco.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "bco_running_mean" in state:
+            self.bco.load_state_dict(state["bco_running_mean"])
