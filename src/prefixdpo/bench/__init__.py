@@ -1,1 +1,1 @@
-"""Benchmarks: the useful-FLOP model (`flops`) and the side-by-side standard vs prefix-shared runs."""
+"""Benchmarks: the side-by-side standard vs prefix-shared runs (the useful-FLOP model is `prefixdpo.flops`)."""

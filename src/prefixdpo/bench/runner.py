@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixdpo.bench.flops import ModelShape, ideal_speedup
+from prefixdpo.flops import ModelShape, ideal_speedup
 from prefixdpo.bench.memory import PeakMemory
 from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
 from prefixdpo.bench.step import DPOStep

@@ -72,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def _shape(model_config: str | None):
-    from prefixdpo.bench.flops import LLAMA_3_1_8B, ModelShape
+    from prefixdpo.flops import LLAMA_3_1_8B, ModelShape
 
     if model_config is None:
         return LLAMA_3_1_8B, "Llama-3.1-8B"

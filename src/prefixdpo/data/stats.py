@@ -6,7 +6,7 @@
   sum_k (P + R_k);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
-- predicted speedup: the useful-FLOP model of `bench.flops` (body matmuls + allowed attention pairs + LM
+- predicted speedup: the useful-FLOP model of `prefixdpo.flops` (body matmuls + allowed attention pairs + LM
   head at response-predicting positions, standard DPO / prefix sharing) for a given model shape.
 """
 
@@ -94,7 +94,7 @@ def compute_stats(
     seed: int = 0,
 ) -> DataStats:
     """Statistics of `examples`. pack_length: "auto" (`packing.auto_pack_length`) or an int.
-    shape: a `bench.flops.ModelShape` for the predicted speedup (None = no prediction)."""
+    shape: a `prefixdpo.flops.ModelShape` for the predicted speedup (None = no prediction)."""
     from prefixdpo.data.packing import auto_pack_length, packing_efficiency, plan_packs
 
     if not examples:
@@ -108,7 +108,7 @@ def compute_stats(
     packs = plan_packs(fitting, length, seed=seed) if fitting else []
     speedup = None
     if shape is not None:
-        from prefixdpo.bench.flops import ideal_speedup
+        from prefixdpo.flops import ideal_speedup
 
         speedup = ideal_speedup(shape, examples)
     return DataStats(
