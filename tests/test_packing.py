@@ -14,7 +14,7 @@ from prefixdpo.data.packing import (
     plan_packs,
     shard_for_rank,
 )
-from prefixdpo.data.synthetic import PROFILES, format_profile_report, profile_report, synthetic_lengths
+from prefixdpo.data.synthetic import PROFILES, synthetic_lengths
 
 
 def _random_lengths(n, seed=0, high=500):
@@ -189,13 +189,3 @@ def test_hh_profile_efficiency_at_auto_length():
     eff = packing_efficiency(lengths, packs, pack_length)
     print(f"hh-rlhf: pack_length={pack_length} efficiency={eff:.3f}")
     assert eff >= 0.9
-
-
-def test_profile_report_all_profiles():
-    rows = profile_report(n=2000)
-    print("\n" + format_profile_report(rows))
-    assert [r["profile"] for r in rows] == list(PROFILES)
-    for r in rows:
-        assert r["pack_length"] % 128 == 0 and r["pack_length"] >= r["quantile_length"]
-        assert r["efficiency"] >= 0.9, r
-        assert 0.0 < r["tokens_saved"] < 0.5  # K=2: the prompt is at most half of the unshared tokens

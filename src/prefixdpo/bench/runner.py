@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixdpo.flops import ModelShape, ideal_speedup
 from prefixdpo.bench.memory import PeakMemory
 from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
+from prefixdpo.bench.paper import PAPER
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
+from prefixdpo.flops import ModelShape, ideal_speedup
 
 __all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
 
@@ -179,7 +180,7 @@ def run_workload(
     }
     paper = None
     if workload.profile is not None:
-        p = workload.profile
+        p = PAPER[workload.profile.name]
         paper = {
             "unpacked_samples_per_s": p.unpacked._asdict(),
             "packed_samples_per_s": p.packed._asdict(),

@@ -25,7 +25,7 @@ class Workload:
     """What one benchmark profile runs.
 
     examples: [N] in run order; groups: lists of example indices, one optimizer step each.
-    profile:  the paper's profile (its throughputs go beside ours), None for a real dataset.
+    profile:  the paper's length profile (`bench.paper.PAPER[profile.name]` goes beside ours), None for a real dataset.
     length_scale: factor applied to the profile's median lengths (1.0 = the paper's lengths).
     """
 

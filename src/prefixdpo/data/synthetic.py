@@ -1,9 +1,10 @@
 """Synthetic preference data with the length profiles of the paper's six datasets.
 
-The paper (Wang & Hegde, arXiv 2410.20305, see /work/shared/PAPER.md) reports, per dataset, the median
-overall length (prompt + ONE completion) and the median prompt/completion ratio, and its measured
-throughputs. Benchmarks and tests use these profiles instead of downloading the datasets: what prefix
-sharing saves depends only on the lengths, never on the token values.
+The paper (Wang & Hegde, "Accelerating Direct Preference Optimization with Prefix Sharing", arXiv
+2410.20305) reports, per dataset, the median overall length (prompt + ONE completion) and the median
+prompt/completion ratio. Benchmarks and tests use these profiles instead of downloading the datasets: what
+prefix sharing saves depends only on the lengths, never on the token values. The paper's measured
+throughputs are in `prefixdpo.bench.paper`.
 
 Assumptions of ours (the paper gives medians only):
 - prompt and each response length are lognormal around their medians with the profile's `sigma`
@@ -16,22 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from prefixdpo.data.example import Example
 
-__all__ = [
-    "Throughput",
-    "LengthProfile",
-    "PROFILES",
-    "NUM_SPECIAL_IDS",
-    "synthetic_lengths",
-    "synthetic_examples",
-    "profile_report",
-    "format_profile_report",
-]
+__all__ = ["LengthProfile", "PROFILES", "NUM_SPECIAL_IDS", "synthetic_lengths", "synthetic_examples"]
 
 # Token ids below this are never generated: tokenizers built locally for tests put pad/bos/eos/unk
 # at ids 0..3, and a special token inside a prompt or response would change what a model or a
@@ -39,35 +30,19 @@ __all__ = [
 NUM_SPECIAL_IDS = 4
 
 
-class Throughput(NamedTuple):
-    """Samples/s the paper measured (8x H100): FA3 and Flex standard DPO, Flex with prefix sharing."""
-
-    fa3: float
-    flex: float
-    flex_prefix: float
-
-    @property
-    def speedup(self) -> float:
-        """Prefix sharing over the faster standard baseline (FA3), as the paper reports it."""
-        return self.flex_prefix / self.fa3
-
-
 @dataclass(frozen=True)
 class LengthProfile:
-    """Length statistics of one preference dataset, and the paper's throughput on it.
+    """Length statistics of one preference dataset.
 
     median_total:            median of prompt + ONE completion, in tokens (HH-RLHF: 186).
     prompt_completion_ratio: median prompt length / median completion length (HH-RLHF: 2.15).
     sigma:                   lognormal shape of each length (our assumption, see module docstring).
-    unpacked / packed:       the paper's samples/s without / with sequence packing.
     """
 
     name: str
     median_total: float
     prompt_completion_ratio: float
-    sigma: float
-    unpacked: Throughput
-    packed: Throughput
+    sigma: float = 0.5
 
     @property
     def median_prompt(self) -> float:
@@ -79,19 +54,15 @@ class LengthProfile:
         return self.median_total / (1.0 + self.prompt_completion_ratio)
 
 
-def _profile(name, total, ratio, unpacked, packed, sigma=0.5) -> LengthProfile:
-    return LengthProfile(name, float(total), float(ratio), float(sigma), Throughput(*unpacked), Throughput(*packed))
-
-
 PROFILES: dict[str, LengthProfile] = {
     p.name: p
     for p in (
-        _profile("capybara", 1160, 1.59, (8.38, 7.75, 11.90), (17.89, 17.63, 23.89)),
-        _profile("hh-rlhf", 186, 2.15, (33.71, 30.25, 36.11), (109.77, 104.99, 155.04)),
-        _profile("metamath", 872, 3.91, (13.86, 13.02, 19.13), (24.21, 23.83, 38.07)),
-        _profile("tldr", 416, 11.14, (31.43, 29.53, 35.36), (44.11, 43.22, 59.76)),
-        _profile("tulu-helpsteer", 775, 6.34, (14.83, 13.93, 21.75), (29.85, 28.98, 44.10)),
-        _profile("ultrafeedback", 409, 0.42, (18.40, 17.31, 20.46), (45.46, 44.13, 53.21)),
+        LengthProfile("capybara", 1160.0, 1.59),
+        LengthProfile("hh-rlhf", 186.0, 2.15),
+        LengthProfile("metamath", 872.0, 3.91),
+        LengthProfile("tldr", 416.0, 11.14),
+        LengthProfile("tulu-helpsteer", 775.0, 6.34),
+        LengthProfile("ultrafeedback", 409.0, 0.42),
     )
 }
 
@@ -185,66 +156,3 @@ def synthetic_examples(
             pos += r
         out.append(Example(prompt_ids, responses, pairs, meta={"profile": prof.name, "synthetic_index": i}))
     return out
-
-
-def profile_report(
-    n: int = 4000, *, seed: int = 0, num_responses: int = 2, quantile: float = 0.95, factor: float = 1.1
-) -> list[dict]:
-    """Per profile: tokens saved by prefix sharing and bin-packing efficiency at the auto pack length.
-
-    tokens_saved    = 1 - shared / unshared tokens (prompt once vs once per response).
-    pack_length     = auto_pack_length of the shared rows (never below the longest row);
-    quantile_length = the paper's rule alone (factor x quantile, rounded up to 128), for comparison.
-    efficiency      = real tokens / (packs x pack_length), packs from plan_packs;
-    unpacked_eff    = real tokens / tokens when each row is padded alone to a multiple of 128.
-    """
-    # Imported here: packing is a sibling stage, only this report needs it.
-    from prefixdpo.data.packing import auto_pack_length, packing_efficiency, plan_packs
-
-    rows = []
-    for prof in PROFILES.values():
-        prompt, resp = synthetic_lengths(prof, n, seed=seed, num_responses=num_responses)
-        shared = prompt + resp.sum(axis=1)
-        unshared = num_responses * prompt + resp.sum(axis=1)
-        lengths = shared.tolist()
-        pack_length = auto_pack_length(lengths, quantile=quantile, factor=factor)
-        packs = plan_packs(lengths, pack_length, seed=seed)
-        q = float(np.quantile(shared, quantile))
-        rows.append(
-            {
-                "profile": prof.name,
-                "median_prompt": float(np.median(prompt)),
-                "median_completion": float(np.median(resp)),
-                "median_shared_row": float(np.median(shared)),
-                "tokens_saved": 1.0 - float(shared.sum()) / float(unshared.sum()),
-                "quantile_length": int(math.ceil(factor * q / 128)) * 128,
-                "pack_length": pack_length,
-                "packs": len(packs),
-                "efficiency": packing_efficiency(lengths, packs, pack_length),
-                "unpacked_eff": float(shared.sum()) / float((np.ceil(shared / 128) * 128).sum()),
-                "paper_speedup_unpacked": prof.unpacked.speedup,
-                "paper_speedup_packed": prof.packed.speedup,
-            }
-        )
-    return rows
-
-
-def format_profile_report(rows: list[dict]) -> str:
-    """`profile_report()` as a fixed-width text table."""
-    head = (
-        f"{'profile':<15} {'prompt':>6} {'compl':>6} {'saved':>6} {'q-len':>6} {'pack':>6} "
-        f"{'eff':>6} {'unpk':>6} {'paper x':>12}"
-    )
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['profile']:<15} {r['median_prompt']:>6.0f} {r['median_completion']:>6.0f} "
-            f"{r['tokens_saved']:>6.1%} {r['quantile_length']:>6d} {r['pack_length']:>6d} "
-            f"{r['efficiency']:>6.1%} {r['unpacked_eff']:>6.1%} "
-            f"{r['paper_speedup_unpacked']:>5.2f}/{r['paper_speedup_packed']:<5.2f}"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m prefixdpo.data.synthetic
-    print(format_profile_report(profile_report()))
