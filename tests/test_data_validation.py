@@ -6,10 +6,9 @@ import math
 
 import pytest
 
-from prefixdpo.data.example import Example
 from prefixdpo.data.prepare import DataOptions, prepare_examples
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.data.validation import InvalidRecordError, SkipLog, enforce_row_limit
+from prefixdpo.data.validation import InvalidRecordError
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +154,13 @@ def test_bad_options_are_refused():
             DataOptions(**kw)
 
 
-def test_enforce_row_limit():
-    exs = [Example((1, 2), ((3,), (4, 5)), source_index=i) for i in range(2)] + [
-        Example((1,) * 10, ((3,), (4,)), source_index=7)]
-    with pytest.raises(InvalidRecordError, match=r"^record 7: row of 12 tokens does not fit the limit of 8$"):
-        enforce_row_limit(exs, 8)
-    log = SkipLog()
-    kept = enforce_row_limit(exs, 8, invalid="skip", log=log)
-    assert [e.source_index for e in kept] == [0, 1] and dict(log.counts) == {"too_long": 1}
+def test_overlong_record_is_dropped_named_and_counted(tok):
+    """What the old row-limit check asserted, on the real length rule: the over-long record is named with its
+    length and the limit, the others are kept with their record numbers, and the drop is counted."""
+    short = {"prompt": "Q:", "chosen": " a", "rejected": " b"}
+    long = {"prompt": "Q:", "chosen": " Paris is." * 6, "rejected": " b"}
+    n = len(tok(long["prompt"] + long["chosen"] + tok.eos_token)["input_ids"])
+    data = prepare_examples([short, short, long], tok, DataOptions(max_length=8, overlong="drop"))
+    assert [e.source_index for e in data.examples] == [0, 1] and data.report.dropped == 1
+    assert data.report.drop_example == f"record 2: prompt + response 0 is {n} tokens, over max_length 8"
+    assert data.report.loaded == data.report.kept + data.report.dropped

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 INVALID_POLICIES = ("error", "skip")
@@ -28,7 +27,6 @@ NO_PREFERENCE = "no_preference"
 BAD_JSON = "bad_json"
 UNKNOWN_FORMAT = "unknown_format"
 BOUNDARY = "boundary"
-TOO_LONG = "too_long"
 
 
 class InvalidRecordError(ValueError):
@@ -139,26 +137,3 @@ def check_scores(index: int, name: str, value, n: int) -> list[float]:
             raise InvalidRecordError(index, WRONG_TYPE, f"{name}[{k}] is {v}, expected a finite number")
         out.append(float(v))
     return out
-
-
-# ---------------------------------------------------------------------------------------------- row limit
-
-
-def enforce_row_limit(examples: Sequence, limit: int, invalid: str = "error", log: SkipLog | None = None) -> list:
-    """Keep examples whose prefix-shared row (`Example.shared_length`) fits in `limit` tokens.
-
-    Same policy as record validation: `"error"` raises `InvalidRecordError` (reason `too_long`) for the first
-    row that does not fit; `"skip"` drops it and counts it in `log`.
-    """
-    check_policy(invalid)
-    log = log if log is not None else SkipLog()
-    kept = []
-    for ex in examples:
-        if ex.shared_length > limit:
-            err = InvalidRecordError(
-                ex.source_index, TOO_LONG, f"row of {ex.shared_length} tokens does not fit the limit of {limit}"
-            )
-            handle(err, invalid, log)
-            continue
-        kept.append(ex)
-    return kept
