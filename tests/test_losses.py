@@ -18,6 +18,7 @@ Two kinds of reference values:
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -382,3 +383,215 @@ def test_errors():
     with pytest.raises(ValueError, match="empty"):
         combined_loss([], None, x, LossParams())
 
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Losses on the whole optimizer step: any split into micro-batches and ranks gives the same
+#    value and gradients as one batch (and as TRL 1.16's one-batch formula)
+# ---------------------------------------------------------------------------------------------
+
+STEP = 8  # pairs in the simulated optimizer step
+SPLIT_RTOL, SPLIT_ATOL = 1e-6, 1e-12  # float64; atol only for gradient entries that are ~0
+
+# Each split: per rank, the micro-batches' pair ids (of the step's 8). The trainer's step order
+# (StepPairs) is rank by rank, micro-batch by micro-batch, so the step indices are positions there.
+SPLITS = {
+    "3+5": [[[0, 1, 2], [3, 4, 5, 6, 7]]],
+    "1+2+5": [[[5], [0, 7], [1, 2, 3, 4, 6]]],
+    "8 shuffled": [[[3, 7, 0, 5, 1, 6, 2, 4]]],
+    "2 ranks, 1+3 and 2+2": [[[6], [0, 4, 2]], [[3, 1], [7, 5]]],
+}
+
+STEP_COMBOS = {
+    **{name: ([name], None) for name in sorted(LOSSES)},
+    "rpo (sigmoid + 0.5 sft)": (["sigmoid", "sft"], [1.0, 0.5]),
+    "mpo (sigmoid, bco_pair, sft)": (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]),
+    "all coupled": (["aot", "aot_unpaired", "sft", "bco_pair"], [0.5, 1.5, 0.3, 1.0]),
+    "orpo + simpo": (["orpo", "simpo"], [1.0, 0.7]),
+}
+COUPLED = {"sft", "orpo", "aot", "aot_unpaired"}  # bco_pair is coupled only through its running mean
+
+
+def _step_leaves(seed: int):
+    """Random float64 per-pair inputs of one step, as leaves: (pc, pr, rc, rr) each [STEP], lengths [STEP]."""
+    g = torch.Generator().manual_seed(seed)
+    lc = torch.randint(1, 20, (STEP,), generator=g)
+    lr = torch.randint(1, 20, (STEP,), generator=g)
+    pc = -lc * (0.3 + 1.5 * torch.rand(STEP, generator=g, dtype=torch.float64))
+    pr = -lr * (0.3 + 1.5 * torch.rand(STEP, generator=g, dtype=torch.float64))
+    rc = pc + 5.0 * torch.randn(STEP, generator=g, dtype=torch.float64)
+    rr = pr + 5.0 * torch.randn(STEP, generator=g, dtype=torch.float64)
+    # reference leaves take gradients too, so both sides of the sorted AOT pairings are checked
+    leaves = [t.clone().requires_grad_(True) for t in (pc, pr, rc, rr)]
+    return leaves, lc, lr
+
+
+def _pairs(leaves, lc, lr, ids=None) -> PairLogps:
+    pick = (lambda t: t) if ids is None else (lambda t: t[torch.tensor(ids)])  # noqa: E731
+    pc, pr, rc, rr = leaves
+    return PairLogps(pick(pc), pick(pr), pick(rc), pick(rr), pick(lc), pick(lr))
+
+
+def _split_loss(names, weights, p, leaves, lc, lr, split, bco_state=None, train=False) -> torch.Tensor:
+    """The trainer's computation: one context per step, then sum over ranks and micro-batches of
+    sum(per-pair losses) / STEP."""
+    groups = [ids for rank in split for ids in rank]
+    step_pairs = StepPairs.cat([StepPairs.of(_pairs(leaves, lc, lr, ids)) for ids in groups])
+    context = step_context(names, p, step_pairs, num_pairs=STEP, chosen_tokens=int(lc.sum()),
+                           bco_state=bco_state, train=train)
+    total, offset = 0.0, 0
+    for ids in groups:
+        local = context.local(torch.arange(offset, offset + len(ids)))
+        offset += len(ids)
+        losses, _ = combined_loss(names, weights, _pairs(leaves, lc, lr, ids), p, local)
+        total = total + losses.sum() / STEP
+    return total
+
+
+def _trl_on_pairs(names, weights, p, leaves, lc, lr) -> torch.Tensor:
+    """TRL 1.16's one-batch loss on these per-pair sums: each response's log-prob spread evenly over
+    its tokens (TRL only sums them, and its sft takes their token mean)."""
+    pc, pr, rc, rr = leaves
+    lengths = torch.cat([lc, lr])
+    mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).long()
+    per_token = (torch.cat([pc, pr]) / lengths)[:, None] * mask
+    b = SimpleNamespace(per_token=per_token, shift_mask=mask, ref=torch.cat([rc, rr]))
+    return _trl_dpo_loss(b, names, weights, p)
+
+
+def _grads(value, leaves):
+    return torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("combo", list(STEP_COMBOS))
+def test_step_split_equals_one_batch_and_trl(combo, split):
+    names, weights = STEP_COMBOS[combo]
+    # TRL 1.16's sigmoid ignores label_smoothing; exo_pair needs it > 0
+    p = LossParams(beta=0.3, label_smoothing=0.0 if "sigmoid" in names else 0.1)
+    leaves, lc, lr = _step_leaves(seed=11)
+
+    one_batch = combined_loss(names, weights, _pairs(leaves, lc, lr), p)[0].mean()
+    got = _split_loss(names, weights, p, leaves, lc, lr, SPLITS[split])
+    torch.testing.assert_close(got, one_batch, rtol=SPLIT_RTOL, atol=0)
+    for g_got, g_want in zip(_grads(got, leaves), _grads(one_batch, leaves)):
+        torch.testing.assert_close(g_got, g_want, rtol=SPLIT_RTOL, atol=SPLIT_ATOL)
+
+    if set(names) <= set(TRL_TYPES):
+        trl = _trl_on_pairs(names, weights, p, leaves, lc, lr)
+        torch.testing.assert_close(got, trl, rtol=SPLIT_RTOL, atol=0)
+        for g_got, g_trl in zip(_grads(got, leaves), _grads(trl, leaves)):
+            torch.testing.assert_close(g_got, g_trl, rtol=SPLIT_RTOL, atol=SPLIT_ATOL)
+
+    if COUPLED & set(names) and split == "1+2+5":
+        # the test can fail: each micro-batch treated as its own step (the old behaviour) differs
+        naive = sum(combined_loss(names, weights, _pairs(leaves, lc, lr, ids), p)[0].sum() / STEP
+                    for ids in SPLITS[split][0])
+        assert abs((naive - one_batch).item()) > 1e-4 * abs(one_batch.item())
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_bco_running_mean_split_equals_one_batch(split):
+    beta = 0.3
+    p = LossParams(beta=beta)
+    leaves, lc, lr = _step_leaves(seed=12)
+    prior = BCORunningMean(mean=0.4, count=48)  # earlier training steps
+    split_state, one_state = BCORunningMean(**vars(prior)), BCORunningMean(**vars(prior))
+    got = _split_loss(["bco_pair"], None, p, leaves, lc, lr, SPLITS[split], bco_state=split_state, train=True)
+
+    pc, pr, rc, rr = leaves
+    step_rewards = beta * torch.cat([pc - rc, pr - rr]).detach()
+    delta = (prior.mean * prior.count + float(step_rewards.sum())) / (prior.count + 2 * STEP)
+    assert split_state.count == prior.count + 2 * STEP  # the whole step's rewards, once
+    assert split_state.mean == pytest.approx(delta, rel=1e-12)
+    # BCO with delta, written out (TRL < 1.0's formula)
+    want = (-torch.nn.functional.logsigmoid(beta * (pc - rc) - delta)
+            - torch.nn.functional.logsigmoid(-(beta * (pr - rr) - delta))).mean()
+    one = combined_loss(["bco_pair"], None, _pairs(leaves, lc, lr), p, step_context(
+        ["bco_pair"], p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP, chosen_tokens=None,
+        bco_state=one_state, train=True))[0].mean()  # fmt: skip
+    for value in (got, one):
+        torch.testing.assert_close(value, want, rtol=SPLIT_RTOL, atol=0)
+        for g_got, g_want in zip(_grads(value, leaves), _grads(want, leaves)):
+            torch.testing.assert_close(g_got, g_want, rtol=SPLIT_RTOL, atol=SPLIT_ATOL)
+
+
+def _bco_train_losses(state: BCORunningMean, seeds, eval_between: bool = False) -> list[float]:
+    p = LossParams(beta=0.3)
+    out = []
+    for seed in seeds:
+        leaves, lc, lr = _step_leaves(seed)
+        x = _pairs(leaves, lc, lr)
+        context = step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+                               bco_state=state, train=True)
+        out.append(combined_loss(["bco_pair"], None, x, p, context)[0].mean().item())
+        if eval_between:  # evaluation reads the mean, never moves it
+            before = state.state_dict()
+            ev = step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+                              bco_state=state, train=False)
+            assert state.state_dict() == before and ev.bco_delta == before["mean"]
+    return out
+
+
+def test_bco_resumed_state_gives_the_same_losses_and_eval_does_not_move_it():
+    seeds = [20, 21, 22, 23]
+    uninterrupted = _bco_train_losses(BCORunningMean(), seeds)
+    first = BCORunningMean()
+    head = _bco_train_losses(first, seeds[:2], eval_between=True)
+    saved = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    resumed = BCORunningMean()
+    resumed.load_state_dict(saved)
+    tail = _bco_train_losses(resumed, seeds[2:], eval_between=True)
+    assert head + tail == uninterrupted  # bit-identical
+    assert resumed.count == len(seeds) * 2 * STEP
+    # the state matters: a fresh mean at step 3 gives other losses
+    assert _bco_train_losses(BCORunningMean(), seeds[2:]) != uninterrupted[2:]
+
+
+def test_quantile_partners_by_hand():
+    from prefixdpo.losses import quantile_partners
+
+    a = torch.tensor([0.5, -1.0, 2.0])  # ranks 1, 0, 2
+    b = torch.tensor([10.0, 30.0, 20.0])  # ranks 0, 2, 1; sorted 10, 20, 30
+    b_at_a, a_at_b = quantile_partners(a, b)
+    assert b_at_a.tolist() == [20.0, 10.0, 30.0]
+    assert a_at_b.tolist() == [-1.0, 2.0, 0.5]  # sorted a: -1, 0.5, 2
+
+
+def test_needs_step_pairs():
+    assert not needs_step_pairs(["sigmoid", "sft", "orpo", "ipo"])
+    assert needs_step_pairs(["sigmoid", "aot"]) and needs_step_pairs("aot_pair", train=False)
+    assert needs_step_pairs(["bco_pair"], train=True) and not needs_step_pairs(["bco_pair"], train=False)
+
+
+def test_step_context_errors():
+    leaves, lc, lr = _step_leaves(seed=13)
+    x = _pairs(leaves, lc, lr)
+    p = LossParams()
+    with pytest.raises(LossConfigError, match="aot need step_pairs"):
+        step_context(["aot"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
+    with pytest.raises(LossConfigError, match="bco_pair need step_pairs"):
+        step_context(["bco_pair"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=BCORunningMean(), train=True)
+    with pytest.raises(LossConfigError, match="holds 8 pairs but num_pairs=16"):
+        step_context(["aot"], p, StepPairs.of(x), num_pairs=16, chosen_tokens=None, bco_state=None, train=True)
+    with pytest.raises(LossConfigError, match="sft need chosen_tokens"):
+        step_context(["sft"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
+    context = step_context(["aot"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
+    with pytest.raises(LossConfigError, match=r"context holds 8 pairs but inputs hold 3: pass context.local"):
+        combined_loss(["aot"], None, _pairs(leaves, lc, lr, [0, 1, 2]), p, context)
+    with pytest.raises(TypeError, match="StepContext"):
+        combined_loss(["bco_pair"], None, x, p, BCORunningMean())
+    with pytest.raises(LossConfigError, match="need reference"):
+        StepPairs.of(PairLogps(x.policy_chosen_logps, x.policy_rejected_logps))
+    assert isinstance(context.local(torch.tensor([2, 0])), StepContext)
+
+
+def test_moved_names_still_import_from_losses():
+    import prefixdpo.losses as losses
+    import prefixdpo.objective as objective
+
+    for name in ["PairLogps", "LossParams", "BCORunningMean", "LOSSES", "LOSS_ALIASES", "REFERENCE_FREE",
+                 "NEEDS_NO_REFERENCE", "combined_loss", "pair_rewards"]:
+        assert getattr(losses, name) is getattr(objective, name)
+    with pytest.raises(AttributeError):
+        losses.no_such_name  # noqa: B018
