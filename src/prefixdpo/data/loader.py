@@ -14,7 +14,7 @@ becomes a zero-weight batch that still runs the model (so DDP's collectives line
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
@@ -22,7 +22,9 @@ import torch
 
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.data.packing import auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank
+from prefixdpo.data.packing import (
+    RowTooLongError, auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank,
+)
 
 Plan = list[list[list[list[int]]]]  # [rank][micro-batch][line][example index]
 
@@ -37,6 +39,12 @@ class LoaderSettings:
     pad_multiple: unpacked lines are padded to a multiple of this.
     bucket:      unpacked lines are padded to one of a few lengths (`bucket_length`), so compiled
                  FlexAttention does not recompile for every batch.
+    shuffle:     a seeded permutation of the examples per epoch (unpacked), or seeded best-fit packs in
+                 a seeded order (packing). False: file order unpacked, but packs still best-fit with
+                 the longest rows first (fewest lines; evaluation, where order does not matter).
+    sequential:  file order, every epoch: `train_sampling_strategy="sequential"` (transformers'
+                 SequentialSampler). Packed, consecutive examples fill a line until the next one does
+                 not fit. Takes precedence over `shuffle`.
     """
 
     batch_size: int = 1
@@ -47,6 +55,7 @@ class LoaderSettings:
     pad_multiple: int = 1
     bucket: bool = False
     shuffle: bool = True
+    sequential: bool = False
     seed: int = 0
     grad_accum: int = 1
 
@@ -65,6 +74,26 @@ def resolve_pack_length(examples: Sequence[Example], settings: LoaderSettings) -
     return auto_pack_length(lengths)
 
 
+def pack_in_order(row_lengths: Sequence[int], pack_length: int) -> list[list[int]]:
+    """Consecutive row indices into lines of total length <= `pack_length`, in order (next fit).
+
+    row_lengths: [N] positive ints. Returns lines whose concatenation is 0..N-1. A line closes when
+    the next row does not fit; no order-keeping (contiguous) split has fewer lines. Raises
+    RowTooLongError naming the first row longer than `pack_length`.
+    """
+    lines: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(row_lengths):
+        if n > pack_length:
+            raise RowTooLongError(f"row {i}: length {n} exceeds pack_length {pack_length}")
+        if not lines or n > room:
+            lines.append([])
+            room = pack_length
+        lines[-1].append(i)
+        room -= n
+    return lines
+
+
 def plan_epoch(
     examples: Sequence[Example], settings: LoaderSettings, epoch: int, world_size: int, pack_length: int | None = None
 ) -> Plan:
@@ -78,9 +107,12 @@ def plan_epoch(
     if settings.packing:
         lengths = [row_length(ex, settings.prefix_sharing) for ex in examples]
         pack_length = pack_length or resolve_pack_length(examples, settings)
-        lines = plan_packs(lengths, pack_length, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
+        if settings.sequential:
+            lines = pack_in_order(lengths, pack_length)
+        else:
+            lines = plan_packs(lengths, pack_length, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
     else:
-        if settings.shuffle:
+        if settings.shuffle and not settings.sequential:
             order = np.random.default_rng([int(settings.seed), int(epoch)]).permutation(n).tolist()
         else:
             order = list(range(n))
@@ -103,18 +135,17 @@ def empty_batch(pad_token_id: int = 0) -> Batch:
     """A one-token batch with no responses: runs the model (for DDP) and weighs nothing.
 
     The token is marked as a document (not padding) so it attends to itself like a real token.
+    Every other tensor field (targets, responses, pairs) is empty, whichever fields `Batch` has.
     """
-    one = torch.zeros((1, 1), dtype=torch.long)
-    none = torch.zeros(0, dtype=torch.long)
-    return Batch(
-        input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
-        position_ids=one.clone(),
-        doc_ids=one.clone(),
-        branch_ids=one.clone(),
-        target_line=none, target_col=none.clone(), target_ids=none.clone(), target_response=none.clone(),
-        response_lengths=none.clone(), response_example=none.clone(),
-        pair_better=none.clone(), pair_worse=none.clone(), max_sequence_length=1,
-    )
+    lines = {
+        "input_ids": torch.full((1, 1), pad_token_id, dtype=torch.long),
+        "position_ids": torch.zeros((1, 1), dtype=torch.long),
+        "doc_ids": torch.zeros((1, 1), dtype=torch.long),
+        "branch_ids": torch.zeros((1, 1), dtype=torch.long),
+    }
+    empty = {f.name: torch.zeros(0, dtype=torch.long) for f in fields(Batch)
+             if f.name not in lines and f.name != "max_sequence_length"}
+    return Batch(**lines, **empty, max_sequence_length=1)
 
 
 class MicroBatches(torch.utils.data.Dataset):
