@@ -35,7 +35,9 @@ def test_packed_batch_docs_padding_and_global_indices():
     assert batch.response_lengths.tolist() == [1, 2, 2, 1, 1]
     # pairs refer to global response indices: example 1's responses are 2, 3, 4
     assert batch.pair_better.tolist() == [0, 4, 4] and batch.pair_worse.tolist() == [1, 2, 3]
-    assert batch.response_example.tolist() == [0, 0, 1, 1, 1]
+    # responses are numbered example by example: every target of response r sits in its example's document
+    docs = batch.doc_ids[batch.target_line, batch.target_col]
+    assert [docs[batch.target_response == r].unique().tolist() for r in range(5)] == [[0], [0], [1], [1], [1]]
     # the second document's prompt (position 5 in the line) predicts the first token of each of its responses
     firsts = batch.target_col[torch.tensor([3, 5, 6])].tolist()
     assert firsts == [5, 5, 5]

@@ -20,7 +20,7 @@ PAD_DOC = -1
 @dataclass
 class Batch:
     """Everything the forward pass and the log-prob gather need (B lines of length L, T targets,
-    R responses, P preference pairs, E examples).
+    R responses, P preference pairs; responses are numbered example by example).
 
     input_ids, position_ids: [B, L] long
     doc_ids:        [B, L] long, document of each token within its line; -1 = padding
@@ -29,7 +29,6 @@ class Batch:
     target_ids:     [T] long, the response tokens
     target_response:[T] long, global response index 0..R-1 of each target
     response_lengths: [R] long, tokens per response
-    response_example: [R] long, example index 0..E-1 of each response
     pair_better, pair_worse: [P] long, global response indices (better preferred to worse)
     max_sequence_length: longest standard `[prompt][response]` sequence in the batch (sliding-window checks)
     """
@@ -43,7 +42,6 @@ class Batch:
     target_ids: torch.Tensor
     target_response: torch.Tensor
     response_lengths: torch.Tensor
-    response_example: torch.Tensor
     pair_better: torch.Tensor
     pair_worse: torch.Tensor
     max_sequence_length: int = 0
@@ -141,9 +139,6 @@ def collate_lines(
             start = end
 
     response_lengths = torch.tensor([len(r) for ex in examples for r in ex.response_ids], dtype=torch.long)
-    response_example = torch.tensor(
-        [e for e, ex in enumerate(examples) for _ in ex.response_ids], dtype=torch.long
-    )
     better = [response_offset[e] + i for e, ex in enumerate(examples) for i, _ in ex.pairs]
     worse = [response_offset[e] + j for e, ex in enumerate(examples) for _, j in ex.pairs]
     max_seq = max(
@@ -159,7 +154,6 @@ def collate_lines(
         target_ids=torch.tensor(t_ids, dtype=torch.long),
         target_response=torch.tensor(t_resp, dtype=torch.long),
         response_lengths=response_lengths,
-        response_example=response_example,
         pair_better=torch.tensor(better, dtype=torch.long),
         pair_worse=torch.tensor(worse, dtype=torch.long),
         max_sequence_length=max_seq,
