@@ -31,7 +31,7 @@ values (``StepPairs.of(inputs)``, gathered) serve, with no extra forward.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -192,7 +192,7 @@ class StepPairs:
     @classmethod
     def cat(cls, parts: Sequence[StepPairs]) -> StepPairs:
         """Concatenate micro-batches' (or ranks') pairs in step-index order."""
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
 
     @property
     def num_pairs(self) -> int:
@@ -203,7 +203,7 @@ class StepPairs:
 class StepContext:
     """What coupled losses need from the whole optimizer step; build with :func:`step_context`.
 
-    - ``num_pairs``: pairs in the whole step.
+    - ``num_pairs``: pairs in the whole step, the divisor of the summed per-pair losses.
     - ``mean_chosen_tokens``: the step's chosen tokens / ``num_pairs`` (``sft``, ``orpo``).
     - ``bco_delta``: BCO's reward mean for this step.
     - ``aot_partners`` / ``aot_unpaired_partners``: :func:`prefixdpo.losses.quantile_partners`
@@ -223,7 +223,9 @@ class StepContext:
         def pick(partners):
             return None if partners is None else tuple(t[indices.to(t.device)] for t in partners)
 
-        return replace(self, aot_partners=pick(self.aot_partners), aot_unpaired_partners=pick(self.aot_unpaired_partners))
+        return replace(
+            self, aot_partners=pick(self.aot_partners), aot_unpaired_partners=pick(self.aot_unpaired_partners)
+        )
 
     def pairs_held(self) -> int | None:
         """Pairs the per-pair tensors hold (``P_step``, or ``P_local`` after :meth:`local`); None if none."""
@@ -266,7 +268,9 @@ LOSSES: dict[str, LossFn] = {
         x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps,
         p.beta, p.label_smoothing, c.aot_partners,
     ),
-    "aot_unpaired": lambda x, p, c: aot_unpaired_loss(*_logratios(x), p.beta, p.label_smoothing, c.aot_unpaired_partners),
+    "aot_unpaired": lambda x, p, c: aot_unpaired_loss(
+        *_logratios(x), p.beta, p.label_smoothing, c.aot_unpaired_partners
+    ),
     "apo_zero": lambda x, p, c: apo_zero_loss(*_logratios(x), p.beta),
     "apo_down": lambda x, p, c: apo_down_loss(*_logratios(x), p.beta),
     "discopop": lambda x, p, c: discopop_loss(*_scores(x, p), p.beta, p.discopop_tau),
@@ -371,22 +375,15 @@ def step_context(
             bco_state.update(params.beta * torch.cat([c, r]))
         bco_delta = bco_state.mean
 
-    def partners(a: Tensor, b: Tensor, name: str):
-        return quantile_partners(a, b) if name in names else None
-
-    sp = step_pairs
-    return StepContext(
-        num_pairs=num_pairs,
-        mean_chosen_tokens=mean_chosen_tokens,
-        bco_delta=bco_delta,
-        aot_partners=None if sp is None else partners(
-            sp.policy_chosen_logps - sp.policy_rejected_logps, sp.ref_chosen_logps - sp.ref_rejected_logps, "aot"
-        ),
-        aot_unpaired_partners=None if sp is None else partners(
-            sp.policy_chosen_logps - sp.ref_chosen_logps, sp.policy_rejected_logps - sp.ref_rejected_logps,
-            "aot_unpaired",
-        ),
-    )  # fmt: skip
+    aot = aot_unpaired = None
+    if step_pairs is not None:
+        pc, pr = step_pairs.policy_chosen_logps, step_pairs.policy_rejected_logps
+        rc, rr = step_pairs.ref_chosen_logps, step_pairs.ref_rejected_logps
+        if "aot" in names:  # the same margins and log-ratios the loss functions sort
+            aot = quantile_partners(pc - pr, rc - rr)
+        if "aot_unpaired" in names:
+            aot_unpaired = quantile_partners(pc - rc, pr - rr)
+    return StepContext(num_pairs, mean_chosen_tokens, bco_delta, aot, aot_unpaired)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,14 +449,18 @@ def combined_loss(
 
     num_pairs = inputs.policy_chosen_logps.numel()
     if context is None:
+        lengths = inputs.chosen_lengths
         context = step_context(
             names, params, StepPairs.of(inputs) if needs_step_pairs(names, train=False) else None,
             num_pairs=num_pairs,
-            chosen_tokens=None if inputs.chosen_lengths is None else inputs.chosen_lengths.to(inputs.policy_chosen_logps.dtype).sum(),
+            # a tensor in the log-probs' dtype: no host sync, no float32 rounding of the mean length
+            chosen_tokens=None if lengths is None else lengths.to(inputs.policy_chosen_logps.dtype).sum(),
             bco_state=None, train=False,
         )  # fmt: skip
     elif not isinstance(context, StepContext):
-        raise TypeError(f"context must be a StepContext (from step_context(...).local(indices)), got {type(context).__name__}")
+        raise TypeError(
+            f"context must be a StepContext (from step_context(...).local(indices)), got {type(context).__name__}"
+        )
     held = context.pairs_held()
     if held is not None and held != num_pairs:
         raise LossConfigError(
