@@ -595,3 +595,16 @@ def test_moved_names_still_import_from_losses():
         assert getattr(losses, name) is getattr(objective, name)
     with pytest.raises(AttributeError):
         losses.no_such_name  # noqa: B018
+
+
+def test_gathered_float64_context_keeps_the_inputs_dtype():
+    # the trainer gathers step pairs in float64 on the host; a float32 micro-batch stays float32
+    leaves, lc, lr = _step_leaves(seed=14)
+    x = _pairs([t.detach().float() for t in leaves], lc, lr)
+    p = LossParams(label_smoothing=0.1)
+    names = ["aot", "aot_unpaired", "sft"]
+    context = step_context(names, p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP,
+                           chosen_tokens=float(lc.sum()), bco_state=None, train=True)
+    got, per_type = combined_loss(names, None, x, p, context.local(torch.arange(STEP)))
+    assert got.dtype == torch.float32 and all(v.dtype == torch.float32 for v in per_type.values())
+    torch.testing.assert_close(got, combined_loss(names, None, x, p)[0], rtol=1e-5, atol=1e-6)

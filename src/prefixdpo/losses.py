@@ -198,8 +198,10 @@ def quantile_matched_loss(
     whose gradient w.r.t. ``a_i`` is that of the sorted sum (a sort only routes gradients), plus
     ``g - g.detach()`` with ``g = f(A[rank_b(i)] - b_i)``: zero in value, it carries the sorted
     sum's gradient w.r.t. ``b_i``. Summed over all the step's pairs, value and gradients equal the
-    sorted formula's, however the pairs are split. Partners come from :func:`quantile_partners`.
+    sorted formula's, however the pairs are split. Partners come from :func:`quantile_partners`,
+    possibly gathered in another dtype or on the host: they take ``a``'s / ``b``'s dtype and device here.
     """
+    b_at_rank_of_a, a_at_rank_of_b = b_at_rank_of_a.to(a), a_at_rank_of_b.to(b)
     carrier = _smoothed_logistic(a_at_rank_of_b - b, beta, label_smoothing)
     return _smoothed_logistic(a - b_at_rank_of_a, beta, label_smoothing) + (carrier - carrier.detach())
 
