@@ -19,21 +19,20 @@ packing spread the pairs over micro-batches.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, get_last_checkpoint
 
+from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state
 from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
-from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
+from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import final_hidden_states, prepare_model, unwrap
 from prefixdpo.logprobs import lm_head_fn
 from prefixdpo.metrics import MetricSums
@@ -43,21 +42,10 @@ from prefixdpo.step_context import StepContextBuilder
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
-
-
-class NonFiniteLossError(ValueError):
-    """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
-
-
 def _disable_dropout(model) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-
-
-def _is_examples(data) -> bool:
-    return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(x, Example) for x in data)
 
 
 class PrefixDPOTrainer(Trainer):
@@ -104,7 +92,7 @@ class PrefixDPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(_PrefixDPOCallback(self))
+        self.add_callback(PrefixDPOCallback(self))
 
         if isinstance(ref_model, str):
             from prefixdpo.models import load_causal_lm
@@ -127,10 +115,13 @@ class PrefixDPOTrainer(Trainer):
         self.step_context = StepContextBuilder(self.objective, self.accelerator)
         self._metrics = {"train": MetricSums(), "eval": MetricSums()}
         self._pairs_trained = 0.0
-        self._nonfinite = False
+        self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
         self._train_micro: MicroBatches | None = None
         if isinstance(self.reference, PrecomputedReference):  # before training, as TRL does
             self._precompute_tables()
+
+    def _as_examples(self, data, tokenizer, name: str):
+        return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
 
     @staticmethod
     def _wrap_peft(model, peft_config, args):
@@ -160,43 +151,14 @@ class PrefixDPOTrainer(Trainer):
 
     # ---- data -------------------------------------------------------------------------------
 
-    def _as_examples(self, data, tokenizer, name: str):
-        if data is None:
-            return None
-        if _is_examples(data):
-            return list(data)
-        if isinstance(data, (list, tuple)) and not data:
-            raise ValueError(f"{name} dataset is empty")
-        if tokenizer is None:
-            raise ValueError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
-        from prefixdpo.data.prepare import prepare_examples
-
-        prepared = prepare_examples(data, tokenizer, self._data_options)
-        self.data_reports[name] = prepared.report
-        if not prepared.examples:
-            raise ValueError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
-        return prepared.examples
-
     @property
     def pad_token_id(self) -> int:
-        tok = self.processing_class
-        for attr in ("pad_token_id", "eos_token_id"):
-            value = getattr(tok, attr, None) if tok is not None else None
-            if isinstance(value, int):
-                return value
-        return 0  # any id works: padding is masked out and never a target
+        return pad_token_id(self.processing_class)
 
     def _loader_settings(self, *, train: bool) -> LoaderSettings:
-        a = self.args
-        return LoaderSettings(
-            batch_size=self._train_batch_size if train else a.per_device_eval_batch_size,
-            prefix_sharing=a.prefix_sharing, packing=a.packing,
-            pack_length=None if str(a.pack_length) == "auto" else int(a.pack_length),
-            pad_token_id=self.pad_token_id, pad_multiple=a.pad_to_multiple_of or 1, bucket=self.backend == "flex",
-            shuffle=train and a.train_sampling_strategy != "sequential",
-            seed=a.data_seed if a.data_seed is not None else a.seed,
-            grad_accum=a.gradient_accumulation_steps if train else 1,
-        )
+        size = self._train_batch_size if train else self.args.per_device_eval_batch_size
+        return loader_settings(self.args, train=train, batch_size=size, pad_token=self.pad_token_id,
+                               backend=self.backend)
 
     def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
         table = None
@@ -282,19 +244,8 @@ class PrefixDPOTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._nonfinite = self._nonfinite or not bool(torch.isfinite(loss))
-        if self.accelerator.sync_gradients:  # last micro-batch of the step: decide together, before the update
-            flag = torch.tensor([float(self._nonfinite)], device=self.args.device)
-            if self.accelerator.num_processes > 1:
-                flag = self.accelerator.reduce(flag, reduction="sum")
-            self._nonfinite = False
-            if flag.item() > 0:
-                last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-                raise NonFiniteLossError(
-                    f"loss became {float(loss)} (NaN/inf) in optimizer step {self.state.global_step + 1}; stopped "
-                    f"before applying it. Last good checkpoint: {last or 'none saved yet'}. Try a lower learning "
-                    "rate, fp32/bf16 instead of fp16, or check the data."
-                )
+        if not torch.isfinite(loss):  # PrefixDPOCallback stops before the optimizer applies this step
+            self._nonfinite_loss = float(loss)
         return loss
 
     # ---- evaluation and logging -------------------------------------------------------------
@@ -340,10 +291,7 @@ class PrefixDPOTrainer(Trainer):
                 raise ValueError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
             resume_from_checkpoint = last
         if isinstance(resume_from_checkpoint, str):
-            path = os.path.join(resume_from_checkpoint, STATE_FILE)
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as fh:
-                    self.step_context.load_state_dict(json.load(fh))
+            self.step_context.load_state_dict(load_state(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -352,27 +300,3 @@ class PrefixDPOTrainer(Trainer):
 
         if self.args.should_save:
             restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
-
-
-class _PrefixDPOCallback(TrainerCallback):
-    """Trainer events we act on, through the public callback hooks."""
-
-    def __init__(self, trainer: PrefixDPOTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._metrics["train"].reset()  # throughput excludes set-up
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates, or skips into them
-        # on resume. `state.epoch` is a whole number at an epoch's start, and epoch + fraction on resume.
-        micro = self.trainer._train_micro
-        if micro is not None:
-            micro.set_epoch(math.floor(state.epoch + 1e-9))
-
-    def on_save(self, args, state, control, **kwargs):
-        if args.should_save:
-            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isdir(folder):
-                with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
-                    json.dump(self.trainer.step_context.state_dict(), fh)

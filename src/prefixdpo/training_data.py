@@ -1,0 +1,55 @@
+"""What the trainer is given -> what its loaders need: Examples, and the loader settings of a run.
+
+A dataset may be a list of `Example`s (used as is), or records / a `datasets.Dataset` / a path, which go
+through the data pipeline (`data.prepare.prepare_examples`) with the tokenizer.
+"""
+
+from __future__ import annotations
+
+from prefixdpo.data.example import Example
+from prefixdpo.data.loader import LoaderSettings
+
+
+def is_examples(data) -> bool:
+    return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(x, Example) for x in data)
+
+
+def as_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
+    """`data` as Examples (None stays None); the data report is stored in `reports[name]`."""
+    if data is None:
+        return None
+    if is_examples(data):
+        return list(data)
+    if isinstance(data, (list, tuple)) and not data:
+        raise ValueError(f"{name} dataset is empty")
+    if tokenizer is None:
+        raise ValueError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
+    from prefixdpo.data.prepare import prepare_examples
+
+    prepared = prepare_examples(data, tokenizer, options)
+    reports[name] = prepared.report
+    if not prepared.examples:
+        raise ValueError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
+    return prepared.examples
+
+
+def pad_token_id(tokenizer) -> int:
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None) if tokenizer is not None else None
+        if isinstance(value, int):
+            return value
+    return 0  # any id works: padding is masked out and never a target
+
+
+def loader_settings(args, *, train: bool, batch_size: int, pad_token: int, backend: str) -> LoaderSettings:
+    """The loader settings of a training (shuffled unless `train_sampling_strategy="sequential"`, grouped in
+    optimizer steps) or evaluation (file order) loader."""
+    return LoaderSettings(
+        batch_size=batch_size, prefix_sharing=args.prefix_sharing, packing=args.packing,
+        pack_length=None if str(args.pack_length) == "auto" else int(args.pack_length),
+        pad_token_id=pad_token, pad_multiple=args.pad_to_multiple_of or 1,
+        bucket=backend == "flex",  # compiled flex: few line lengths, few recompiles
+        shuffle=train and args.train_sampling_strategy != "sequential",
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        grad_accum=args.gradient_accumulation_steps if train else 1,
+    )
