@@ -49,7 +49,8 @@ def loader_settings(args, *, train: bool, batch_size: int, pad_token: int, backe
         pack_length=None if str(args.pack_length) == "auto" else int(args.pack_length),
         pad_token_id=pad_token, pad_multiple=args.pad_to_multiple_of or 1,
         bucket=backend == "flex",  # compiled flex: few line lengths, few recompiles
-        shuffle=train and args.train_sampling_strategy != "sequential",
+        shuffle=train,
+        sequential=train and args.train_sampling_strategy == "sequential",
         seed=args.data_seed if args.data_seed is not None else args.seed,
         grad_accum=args.gradient_accumulation_steps if train else 1,
     )
