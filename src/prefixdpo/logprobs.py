@@ -99,10 +99,6 @@ class ResponseLogps:
     sums: torch.Tensor
     counts: torch.Tensor
 
-    @property
-    def means(self) -> torch.Tensor:
-        return self.sums / self.counts.clamp(min=1)
-
 
 def response_logps(hidden: torch.Tensor, batch: Batch, head: Head, chunk_size: int = 1024) -> ResponseLogps:
     """Sum the log-probs of each response's tokens.
