@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
     from prefixdpo.config import PrefixDPOConfig
-    from prefixdpo.losses import LOSSES
+    from prefixdpo.objective import LOSSES
     from prefixdpo.trainer import PrefixDPOTrainer
 
     out_dir, job = sys.argv[1], sys.argv[2]
@@ -114,7 +114,7 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 
 
 def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
-    from prefixdpo.losses import LOSSES
+    from prefixdpo.objective import LOSSES
 
     one = _run(tmp_path, 1, "losses")
     two = _run(tmp_path, 2, "losses")

@@ -16,7 +16,7 @@ import torch
 from prefixdpo.attention.backends import build_attention_mask
 from prefixdpo.data.batch import Batch
 from prefixdpo.forward import compute_response_logps
-from prefixdpo.losses import LossParams, PairLogps, combined_loss
+from prefixdpo.objective import LossParams, PairLogps, combined_loss
 from prefixdpo.metrics import pair_metric_sums
 
 

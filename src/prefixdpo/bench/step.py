@@ -13,7 +13,7 @@ import torch
 
 from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.losses import LossParams
+from prefixdpo.objective import LossParams
 from prefixdpo.reference import SeparateModelReference
 from prefixdpo.step import Objective, pair_losses
 
