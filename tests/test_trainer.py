@@ -317,3 +317,15 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     tables = t.reference.tables
     assert len(tables) == 3 and len({reference.data_fingerprint(e) for e in evals}) == 2
     assert all(reference.data_fingerprint(e) in tables for e in evals)
+
+
+def test_throughput_counts_pairs(tmp_path):
+    """Trainer's `train_samples_per_second` counts pairs (not micro-batches): a packed epoch of 16 pairs in a
+    few micro-batches reports 16 pairs over the run time."""
+    examples = make_examples(16)
+    t, logs = train(config(tmp_path, packing=True, pack_length=64, per_device_train_batch_size=2, max_steps=-1,
+                           num_train_epochs=1), examples)
+    final = t.state.log_history[-1]
+    assert len(t._train_micro) < 16  # several pairs per micro-batch
+    assert final["train_samples_per_second"] == pytest.approx(16 / final["train_runtime"], rel=1e-2, abs=2e-3)
+    assert all(h["pairs_per_second"] > 0 for h in logs)
