@@ -77,7 +77,7 @@ def test_train_help_and_bad_option(capsys):
     assert "--model" in capsys.readouterr().out
     assert main(["train", "--no-such-option", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "no_such_option" in err and len(err.splitlines()) == 1
+    assert "--no-such-option" in err and len(err.splitlines()) == 1
 
 
 def test_full_default_run_via_cli_learns_the_preference(tmp_path, capsys):
@@ -98,21 +98,6 @@ def test_full_default_run_via_cli_learns_the_preference(tmp_path, capsys):
     base = AutoModelForCausalLM.from_pretrained(out / "demo-base" / "model")
     moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters()))
     assert moved, "training changed no weight"
-
-
-def test_demo_defaults_yield_to_yaml_and_command_line(tmp_path):
-    from prefixdpo.commands.train import DEMO_DEFAULTS, _translate, _with_demo_defaults
-    from prefixdpo.config import parse_train_args
-
-    cfg, _, _ = parse_train_args(_with_demo_defaults([]))
-    assert cfg.learning_rate == float(DEMO_DEFAULTS["learning_rate"]) and cfg.max_grad_norm == 0
-    yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("learning_rate: 0.0005\nbeta: 0.2\n")
-    cfg, _, _ = parse_train_args(_with_demo_defaults([str(yaml_file), "--beta", "0.3", "--num-train-epochs=1"]))
-    assert (cfg.learning_rate, cfg.beta, cfg.num_train_epochs) == (0.0005, 0.3, 1)
-    assert cfg.per_device_train_batch_size == int(DEMO_DEFAULTS["per_device_train_batch_size"])
-    _, model_args, data_args = parse_train_args(_translate(["--model", "m", "--dataset=d.jsonl"]))
-    assert (model_args.model_name_or_path, data_args.dataset_name) == ("m", "d.jsonl")
 
 
 def test_train_on_a_given_model_and_dataset_by_path(tmp_path, capsys):

@@ -7,10 +7,7 @@ import importlib
 import sys
 
 from prefixdpo.commands import COMMANDS
-
-
-class UserError(Exception):
-    """An error caused by the user's input: printed as one line, exit code 2, no traceback."""
+from prefixdpo.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, OSError) as err:
-        # Bad input is reported as one line naming the problem, never as a traceback.
-        print(f"prefixdpo {args.command}: error: {err}", file=sys.stderr)
+    except (UserError, OSError) as err:
+        # Bad input (an option, a record) or the environment (a missing file, a model name the hub does not
+        # know) is reported as one line naming the problem. Anything else is a bug: its traceback propagates.
+        print(f"prefixdpo {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 

@@ -6,18 +6,22 @@ prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `at
 `logprob_chunk_size`, `ref_cache_dir`.
 
 `parse_train_args(["config.yaml", "--beta", "0.05"])` reads a YAML file and applies command-line
-overrides on top of it, returning the config plus the model and dataset options.
+overrides on top of it, returning the config plus the model and dataset options (`TrainArgumentParser`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import get_args, get_origin, get_type_hints
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
+from trl import TrlParser
 
 from prefixdpo.attention.backends import BACKENDS
+from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.losses import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossConfigError, LossParams
 
 ATTENTION_CHOICES = BACKENDS
@@ -99,18 +103,18 @@ class PrefixDPOConfig(TrainingArguments):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise LossConfigError(f"loss_weights has {len(self.loss_weights)} entries for {len(self.loss_type)} loss types")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+            raise ConfigError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
         if str(self.pack_length) != "auto":
             try:
                 self.pack_length = int(self.pack_length)
             except ValueError:
-                raise ValueError(f"pack_length={self.pack_length!r}: expected 'auto' or a positive integer") from None
+                raise ConfigError(f"pack_length={self.pack_length!r}: expected 'auto' or a positive integer") from None
             if self.pack_length <= 0:
-                raise ValueError(f"pack_length={self.pack_length}: must be positive")
+                raise ConfigError(f"pack_length={self.pack_length}: must be positive")
         if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
+            raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
         if self.beta <= 0:
-            raise ValueError(f"beta={self.beta}: must be positive")
+            raise ConfigError(f"beta={self.beta}: must be positive")
 
     # ---- derived ----
     @property
@@ -154,7 +158,9 @@ class PrefixDPOConfig(TrainingArguments):
 class ModelArguments:
     """Which model to train and how (LoRA)."""
 
-    model_name_or_path: str | None = field(default=None, metadata={"help": "HF model name or local path (default: the demo model)."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]}
+    )
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Separate reference model (default: a frozen copy)."})
     dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
@@ -182,7 +188,10 @@ class ModelArguments:
 class DataArguments:
     """Which dataset, and how records become examples (the rest of `DataOptions` comes from the config)."""
 
-    dataset_name: str | None = field(default=None, metadata={"help": "HF dataset name, or a .jsonl/.json/.parquet path (default: the demo data)."})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "HF dataset name, or a .jsonl/.json/.parquet path (default: the demo data).", "aliases": ["--dataset"]},
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split (TRL name)."})
     dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
@@ -210,65 +219,116 @@ def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
     )
 
 
-def _load_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        values = yaml.safe_load(fh) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of option: value at the top level")
-    return values
-
-
-def _yaml_to_argv(values: dict[str, Any], known: set[str], path: str) -> list[str]:
-    argv: list[str] = []
-    for key, value in values.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ValueError(f"{path}: unknown option {key!r}")
-        if value is None:
-            continue
-        items = value if isinstance(value, (list, tuple)) else [value]
-        if isinstance(value, dict):
-            import json
-
-            items = [json.dumps(value)]
-        argv.append(f"--{name}")
-        argv.extend(str(v) for v in items)
-    return argv
+def _json_object(text: str) -> dict | None:
+    """A dict option's command-line value: a JSON object (`'{"rope": true}'`) or none."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
-def _underscored(arg: str) -> str:
-    """`--lora-r=8` -> `--lora_r=8` (the option name only; values keep their dashes)."""
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg[2:].partition("=")
-    return "--" + name.replace("-", "_") + eq + value
+class TrainArgumentParser(TrlParser):
+    """The options of `prefixdpo train`: every field of `PrefixDPOConfig`, `ModelArguments`, `DataArguments`.
+
+    TRL's `TrlParser` (an `HfArgumentParser` whose `T | None` options also take `none`, e.g.
+    `--max_length none`), plus:
+    - every boolean option X takes `--X`, `--X true|false` and `--no_X` (HfArgumentParser adds `--no_X`
+      only where X defaults to True, and `--X` alone only where the default is not None);
+    - no abbreviations: a misspelt option is an error, never a silent match of a longer one;
+    - every parse error raises `ConfigError` (one line) instead of printing usage and exiting.
+    Options are spelled with underscores or dashes (`--lora_r 8` == `--lora-r 8`).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__((PrefixDPOConfig, ModelArguments, DataArguments), allow_abbrev=False, **kwargs)
+        for dc in self.dataclass_types:
+            hints = get_type_hints(dc)
+            for f in fields(dc):
+                hint = hints[f.name]
+                if f.init and (hint is bool or bool in get_args(hint)):
+                    self._complete_bool_option(f.name)
+                elif f.init and str not in get_args(hint) and dict in map(get_origin, (hint, *get_args(hint))):
+                    # HfArgumentParser calls dict(text), which no text passes; `dict | str` fields take JSON already
+                    self._option_string_actions[f"--{f.name}"].type = _json_object
+        self.configured: set[str] = set()  # options the config file sets
+
+    def _complete_bool_option(self, name: str) -> None:
+        action = self._option_string_actions[f"--{name}"]
+        action.nargs, action.const = "?", True
+        if f"--no_{name}" not in self._option_string_actions:
+            self.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}", action="store_false",
+                              dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+    def read_config_file(self, path: str) -> None:
+        """YAML (or JSON) `option: value` pairs become the defaults that command-line options override."""
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as fh:
+                values = yaml.safe_load(fh) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of option: value at the top level")
+        defaults, unknown = {}, []
+        for key, value in values.items():
+            action = self._option_string_actions.get(f"--{key}")
+            if action is None or action.nargs == 0:  # not an option, or a flag like --no_packing / --help
+                unknown.append(str(key))
+                continue
+            if action.nargs == "+" and not isinstance(value, list):
+                value = [value]  # `loss_type: sigmoid` is the one-item list
+            defaults[action.dest] = value
+        if unknown:
+            raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}")
+        self.set_defaults_with_config(**defaults)
+        self.configured |= set(defaults)
+
+    def names_model_or_dataset(self, argv: list[str]) -> bool:
+        """Whether the config file or `argv` sets the model or the dataset."""
+        namespace, _ = self.parse_known_args(argv)
+        return namespace.model_name_or_path is not None or namespace.dataset_name is not None
+
+    def parse(self, argv: list[str]) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
+        """Command-line options over the defaults; unknown options and bad values raise `ConfigError`."""
+        namespace, rest = self.parse_known_args(argv)
+        options = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
+        if options:
+            raise ConfigError(f"unknown option(s) {', '.join(options)} (see prefixdpo train --help)")
+        if rest:
+            raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: only the first argument may be a config file")
+        try:
+            config, model_args, data_args = self.parse_dict(vars(namespace))
+        except UserError:
+            raise
+        except ValueError as err:  # TrainingArguments' own checks of option values and combinations
+            raise ConfigError(str(err)) from err
+        return config, model_args, data_args
 
 
-def parse_train_args(argv: list[str] | None = None) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
-    """Parse `[config.yaml] [--option value ...]`: YAML values first, command-line overrides after.
+def parse_train_args(
+    argv: list[str] | None = None, demo_defaults: dict[str, str] | None = None, **parser_kwargs
+) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
+    """Parse `[config.yaml] [--option value ...]`: command-line options override the config file's values.
 
-    Options may be spelled with dashes or underscores (`--lora-r 8` == `--lora_r 8`). Unknown options
-    raise ValueError naming them.
+    demo_defaults: option -> value (as typed on the command line), used where neither the config file nor
+    the command line sets the option, and only when neither names a model or a dataset (the embedded demo).
+    parser_kwargs: passed to `TrainArgumentParser` (usage, description of the help).
     """
     argv = list(argv or [])
-    parser = HfArgumentParser((PrefixDPOConfig, ModelArguments, DataArguments))
-    known = {f.name for dc in (PrefixDPOConfig, ModelArguments, DataArguments) for f in fields(dc) if f.init}
-    base: list[str] = []
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
-        path = argv.pop(0)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}")
-        base = _yaml_to_argv(_load_yaml(path), known, path)
-    overrides = [_underscored(a) for a in argv]
-    for a in overrides:
-        if a.startswith("--") and a[2:].split("=", 1)[0] not in known:
-            raise ValueError(f"unknown option {a.split('=', 1)[0]!r}")
-    # argparse keeps the last value given, so overrides placed after the YAML values win.
-    config, model_args, data_args, rest = parser.parse_args_into_dataclasses(
-        args=base + overrides, return_remaining_strings=True
-    )
-    if rest:
-        raise ValueError(f"unexpected arguments: {' '.join(rest)}")
-    return config, model_args, data_args
+    parser = TrainArgumentParser(**parser_kwargs)
+    if argv and not argv[0].startswith("-"):
+        parser.read_config_file(argv.pop(0))
+    if demo_defaults and not parser.names_model_or_dataset(argv):
+        parser.set_defaults(**{k: v for k, v in demo_defaults.items() if k not in parser.configured})
+    return parser.parse(argv)

@@ -4,7 +4,7 @@ Scaling down keeps Llama-3.1-8B's proportions where they set the cost structure:
 3.5 x hidden, grouped-query attention with 4 query heads per KV head, head_dim 64..128, and a
 vocabulary small enough that the LM head costs about what it costs the 8B model relative to the
 body per token (8B: 4096 x 128256 head vs 6.98 G body weights, 0.075). So, as in the real model, the
-transformer body (not the vocabulary) dominates the FLOPs; `flop_split` states the exact split on a
+transformer body (not the vocabulary) dominates the FLOPs; the report states the exact split on each
 workload.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from prefixdpo.flops import ModelShape
 
-__all__ = ["DEFAULT_SHAPE", "QUICK_SHAPE", "MEDIUM_SHAPE", "SHAPES", "llama_config", "build_models", "flop_split"]
+__all__ = ["DEFAULT_SHAPE", "QUICK_SHAPE", "MEDIUM_SHAPE", "SHAPES", "llama_config", "build_models"]
 
 # hidden, intermediate (3.5 x), layers, heads, kv heads (GQA), head_dim 64, vocab: LM head / body weights
 # per token = 0.074 for both (Llama-3.1-8B: 0.075). Small because 2 CPU cores in fp32 must run all six
@@ -46,15 +46,12 @@ def build_models(model: str | ModelShape, *, device: str, dtype: torch.dtype, ba
     model: a ModelShape (random-init Llama) or a path / hub name for `AutoModelForCausalLM`.
     The reference is frozen and in eval mode; the policy trains (dropout stays 0 in Llama configs).
     """
-    from transformers import AutoModelForCausalLM
-
     from prefixdpo.forward import prepare_model
+    from prefixdpo.models import load_causal_lm
 
     torch.manual_seed(seed)
-    if isinstance(model, ModelShape):
-        policy = AutoModelForCausalLM.from_config(copy.deepcopy(llama_config(model)), dtype=dtype)
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    source = llama_config(model) if isinstance(model, ModelShape) else model
+    policy = load_causal_lm(source, dtype=dtype, trust_remote_code=trust_remote_code)
     policy.to(device)
     reference = copy.deepcopy(policy).eval()
     reference.requires_grad_(False)
@@ -63,10 +60,3 @@ def build_models(model: str | ModelShape, *, device: str, dtype: torch.dtype, ba
     prepare_model(reference, backend)
     return policy, reference, ModelShape.from_config(policy.config)
 
-
-def flop_split(shape: ModelShape, examples) -> dict[str, dict[str, float]]:
-    """Forward-FLOP fractions (body, attention, LM head) of standard DPO and prefix sharing on `examples`."""
-    return {
-        "standard": shape.flop_fractions(examples, shared=False),
-        "shared": shape.flop_fractions(examples, shared=True),
-    }

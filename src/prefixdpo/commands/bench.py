@@ -16,6 +16,8 @@ import platform
 import time
 from pathlib import Path
 
+from prefixdpo.errors import ConfigError
+
 # setting -> (default, quick, cuda) where the three differ
 _PRESETS = {
     "examples": (24, 8, 64),
@@ -96,14 +98,14 @@ def _workloads(args, settings, vocab_size: int):
     if args.dataset:
         tokenizer = args.tokenizer or args.model
         if not tokenizer:
-            raise ValueError("--dataset needs --tokenizer (or --model, whose tokenizer is used)")
+            raise ConfigError("--dataset needs --tokenizer (or --model, whose tokenizer is used)")
         return [dataset_workload(args.dataset, tokenizer, settings["examples"], settings["per_step"],
                                  split=args.split, max_length=args.max_length, vocab_size=vocab_size,
                                  trust_remote_code=args.trust_remote_code)]
     names = [n.strip() for n in args.profiles.split(",")] if args.profiles else list(PROFILES)
     for n in names:
         if n not in PROFILES:
-            raise ValueError(f"unknown profile {n!r}; known: {', '.join(PROFILES)}")
+            raise ConfigError(f"unknown profile {n!r}; known: {', '.join(PROFILES)}")
     return [synthetic_workload(n, settings["examples"], settings["per_step"], vocab_size=vocab_size,
                                seed=args.seed, length_scale=_length_scale(settings["length_scale"], PROFILES[n]))
             for n in names]
@@ -133,11 +135,11 @@ def run(args) -> int:
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
+        raise ConfigError("--device cuda: no CUDA device is available")
     settings = {k: _setting(args, k, cuda) for k in _PRESETS}
     for k in ("examples", "per_step", "repeats"):
         if settings[k] < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
+            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
     torch.set_num_threads(args.threads or _idle_cores())
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = args.attention if args.attention != "auto" else ("flex" if cuda else "segmented")

@@ -5,13 +5,18 @@ without `--dataset` the data is the default's generated preference set. With nei
 hyper-parameters suited to that random-init model (any of them can still be overridden); this is what
 `make demo` runs. Every other option is a `PrefixDPOConfig` / `ModelArguments` / `DataArguments` field,
 spelled with dashes or underscores, from the YAML file or the command line (command line wins).
+Every boolean option X also takes `--X true|false` and `--no_X`; an option whose default is None
+takes `none` (e.g. `--max_length none`).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+
+from prefixdpo.errors import UserError
 
 # Hyper-parameters for the embedded default's random-init model; each applies only when neither the
 # YAML file nor the command line sets it. DPO from random init sits near chance for ~50-100 steps
@@ -43,78 +48,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=run, pass_through=True)
 
 
-def _option_name(arg: str) -> str | None:
-    return arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Option defaults shown, the description printed as written."""
 
 
-def _translate(argv: list[str]) -> list[str]:
-    """The short spellings this command adds: --model, --dataset (exact names only)."""
-    aliases = {"model": "--model_name_or_path", "dataset": "--dataset_name"}
-    out = []
-    for arg in argv:
-        name = _option_name(arg)
-        if name in aliases:
-            value = arg.split("=", 1)[1:] if "=" in arg else []
-            out.append(aliases[name] + ("=" + value[0] if value else ""))
-        else:
-            out.append(arg)
-    return out
-
-
-def _explicit_options(argv: list[str]) -> set[str]:
-    """Option names set by the YAML file (argv[0]) or on the command line."""
-    names = {n for n in map(_option_name, argv) if n}
-    if argv and argv[0].endswith((".yaml", ".yml")) and os.path.isfile(argv[0]):
-        import yaml
-
-        with open(argv[0], encoding="utf-8") as fh:
-            values = yaml.safe_load(fh) or {}
-        if isinstance(values, dict):
-            names |= {str(k).replace("-", "_") for k in values}
-    return names
-
-
-def _with_demo_defaults(argv: list[str]) -> list[str]:
-    explicit = _explicit_options(argv)
-    extra = [a for k, v in DEMO_DEFAULTS.items() if k not in explicit for a in (f"--{k}", v)]
-    if argv and not argv[0].startswith("-"):
-        return argv[:1] + extra + argv[1:]  # the YAML file must stay first
-    return extra + argv
-
-
-def _print_help() -> None:
-    from transformers import HfArgumentParser
-
-    from prefixdpo.config import DataArguments, ModelArguments, PrefixDPOConfig
-
-    print(f"usage: {USAGE}\n\n{__doc__}")
-    print("--model / --dataset are short for --model_name_or_path / --dataset_name. All options:\n")
-    HfArgumentParser((PrefixDPOConfig, ModelArguments, DataArguments)).print_help()
-
-
-def _load_model(model_args, config):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name = model_args.model_name_or_path
-    kwargs = {"trust_remote_code": config.trust_remote_code}  # off unless --trust-remote-code
-    dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype, None)
-    if dtype is None:
-        raise ValueError(f"dtype={model_args.dtype!r}: expected auto, float32, bfloat16 or float16")
-    if config.bf16 and model_args.dtype == "auto":
-        dtype = torch.bfloat16
-    if model_args.load_in_4bit:
-        if not torch.cuda.is_available():
-            raise ValueError("load_in_4bit (QLoRA) needs CUDA and bitsandbytes")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=config.trust_remote_code)
-    # transformers loads safetensors when present and .bin files only with torch.load(weights_only=True).
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
-    return model, tokenizer
+PARSER_KWARGS = {"prog": "prefixdpo train", "usage": USAGE, "description": __doc__,
+                 "formatter_class": _HelpFormatter}
 
 
 def _fmt(value) -> str:
@@ -122,20 +61,18 @@ def _fmt(value) -> str:
 
 
 def run(args) -> int:
+    from prefixdpo.config import TrainArgumentParser, data_options, parse_train_args
+
     argv = list(getattr(args, "extra_argv", []))
     if any(a in ("-h", "--help") for a in argv):
-        _print_help()
+        TrainArgumentParser(**PARSER_KWARGS).print_help()
         return 0
-    from prefixdpo.config import data_options, parse_train_args
-
-    argv = _translate(argv)
-    config, model_args, data_args = parse_train_args(argv)
+    config, model_args, data_args = parse_train_args(argv, demo_defaults=DEMO_DEFAULTS, **PARSER_KWARGS)
     demo_model = model_args.model_name_or_path is None
     demo_data = data_args.dataset_name is None
-    if demo_model and demo_data:
-        config, model_args, data_args = parse_train_args(_with_demo_defaults(argv))
 
     from prefixdpo.data.prepare import prepare_examples
+    from prefixdpo.models import load_causal_lm, load_tokenizer
     from prefixdpo.trainer import PrefixDPOTrainer
 
     start = time.time()
@@ -148,7 +85,10 @@ def run(args) -> int:
               f"({'model' if demo_model else ''}{' and ' if demo_model and demo_data else ''}{'data' if demo_data else ''}).")
     if demo_model:
         model_args.model_name_or_path = str(demo.model_dir)
-    model, tokenizer = _load_model(model_args, config)
+    name = model_args.model_name_or_path
+    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code)
+    model = load_causal_lm(name, dtype=model_args.dtype, bf16=config.bf16, trust_remote_code=config.trust_remote_code,
+                           load_in_4bit=model_args.load_in_4bit)
 
     options = data_options(config, data_args)
     if demo_data:
@@ -161,7 +101,7 @@ def run(args) -> int:
     if prepared.eval_report is not None:
         print(f"Held-out data: {prepared.eval_report.summary()}")
     if not prepared.examples:
-        raise ValueError(f"no usable training examples ({prepared.report.summary()})")
+        raise UserError(f"no usable training examples ({prepared.report.summary()})")
 
     params = sum(p.numel() for p in model.parameters())
     print(f"Model: {model_args.model_name_or_path} ({type(model).__name__}, {params / 1e6:.2f}M parameters); "

@@ -1,0 +1,77 @@
+"""Loading models and tokenizers: the one place that calls `from_pretrained` / `from_config`.
+
+Safe by default: no remote code unless `trust_remote_code=True`; transformers reads safetensors when
+present and `.bin` files only with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import torch
+
+from prefixdpo.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", bf16: bool = False) -> str | torch.dtype:
+    """`"auto"` (the checkpoint's dtype; bfloat16 when `bf16`), a name in `DTYPES`, or a `torch.dtype`."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if bf16 else "auto"
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r}: expected auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_causal_lm(
+    name_or_path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    bf16: bool = False,
+    trust_remote_code: bool = False,
+    load_in_4bit: bool = False,
+    attn_implementation: str | None = None,
+):
+    """An `AutoModelForCausalLM` from a hub name or local path, or randomly initialised from a config.
+
+    name_or_path: str / PathLike, or a `PretrainedConfig` (random init; deep-copied, because
+        `from_config` stores the config in the model and writes the attention implementation into it,
+        so two models built from one config object would share and overwrite each other's settings).
+    dtype: "auto" (the checkpoint's own dtype), "float32" / "bfloat16" / "float16" or a `torch.dtype`.
+    bf16: with dtype "auto", load in bfloat16 (what `--bf16` training computes in).
+    load_in_4bit: QLoRA's NF4 weights with bfloat16 compute (CUDA + bitsandbytes only).
+    attn_implementation: passed to transformers (None = its default; prefixdpo's own attention is set
+        later by `prefixdpo.forward.prepare_model`).
+    """
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    kwargs = {"dtype": resolve_dtype(dtype, bf16), "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    from_config = isinstance(name_or_path, PretrainedConfig)
+    if load_in_4bit:
+        if from_config:
+            raise ConfigError("load_in_4bit needs a pretrained checkpoint, not a config to initialise from")
+        if not torch.cuda.is_available():
+            raise ConfigError("load_in_4bit (QLoRA) needs a CUDA device")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("load_in_4bit (QLoRA) needs bitsandbytes (pip install bitsandbytes)")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    if from_config:
+        return AutoModelForCausalLM.from_config(copy.deepcopy(name_or_path), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+
+
+def load_tokenizer(name_or_path, *, trust_remote_code: bool = False):
+    """The tokenizer saved with a model (hub name or local path)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
