@@ -109,3 +109,13 @@ def test_segmented_plan_covers_only_allowed_pairs():
     expected = torch.block_diag(*[dense[b] for b in range(B)])
     real = (batch.doc_ids >= 0).flatten()
     assert torch.equal(covered[real][:, real], expected[real][:, real])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("packs", [[[0, 1, 2]], [[0, 2], [1]]], ids=["one-line", "two-lines+padding"])
+def test_standard_sequences_packed_match_separate_passes(arch, packs):
+    """prefix_sharing=False, packed: every [prompt][response] is its own document in the line."""
+    result = compare(tiny_model(arch), random_examples(), packs=packs, pad_multiple=8, prefix_sharing=False)
+    assert result.logp_diff < LOGP_TOL and result.grad_diff < GRAD_TOL, result
+    assert result.grad_scale > 1e-3
+

@@ -17,13 +17,26 @@ from prefixdpo.data.example import Example
 from prefixdpo.forward import compute_response_logps, prepare_model, unwrap
 
 
+def stock_implementation(model) -> str:
+    """The stock attention the model itself supports for the comparison passes: "sdpa", or "eager" where
+    the architecture has no SDPA support (transformers refuses it) or soft-caps attention logits (SDPA has
+    no soft-capping, so transformers' eager path is the model's reference semantics)."""
+    base = unwrap(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if not getattr(base, "_supports_sdpa", False) or getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "eager"
+    return "sdpa"
+
+
 @contextlib.contextmanager
-def stock_attention(model, implementation: str = "sdpa"):
-    """Temporarily give the model a stock transformers attention implementation."""
+def stock_attention(model, implementation: str | None = None):
+    """Temporarily give the model a stock transformers attention implementation (default:
+    `stock_implementation(model)`)."""
     base = unwrap(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     previous = base.config._attn_implementation
-    base.set_attn_implementation(implementation)
+    base.set_attn_implementation(implementation or stock_implementation(model))
     try:
         yield model
     finally:
@@ -38,7 +51,9 @@ def separate_pass_logps(model, examples: list[Example]) -> torch.Tensor:
         for ex in examples:
             for response in ex.response_ids:
                 ids = torch.tensor([list(ex.prompt_ids) + list(response)], device=device)
-                logits = model(input_ids=ids, use_cache=False).logits.float()[0]  # [n, V]
+                logits = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
+                if logits.dtype in (torch.float16, torch.bfloat16):  # fp32 at least, fp64 kept for fp64 checks
+                    logits = logits.float()
                 p = len(ex.prompt_ids)
                 logps = logits[p - 1:-1].log_softmax(-1)  # positions predicting the response
                 sums.append(logps.gather(1, ids[0, p:, None]).sum())
@@ -53,15 +68,17 @@ def dpo_loss(logps: torch.Tensor, better: torch.Tensor, worse: torch.Tensor, bet
 @dataclass
 class VerifyResult:
     case: str
-    logp_diff: float  # max |shared - separate| over responses (log-prob sums)
+    logp_diff: float  # max |ours - separate| over responses (log-prob sums)
     logp_scale: float  # largest |separate log-prob sum|
-    grad_diff: float  # max |shared - separate| over all gradient entries
-    grad_scale: float  # largest |separate gradient entry|
+    grad_diff: float | None  # max |ours - separate| over all gradient entries; None = forward-only check
+    grad_scale: float | None  # largest |separate gradient entry|
 
     def ok(self, logp_tol: float, grad_tol: float) -> bool:
         """Both diffs within tolerance, relative to max(1, scale) so long responses are not penalised."""
-        return (self.logp_diff <= logp_tol * max(1.0, self.logp_scale)
-                and self.grad_diff <= grad_tol * max(1.0, self.grad_scale))
+        logp_ok = self.logp_diff <= logp_tol * max(1.0, self.logp_scale)
+        if self.grad_diff is None:
+            return logp_ok
+        return logp_ok and self.grad_diff <= grad_tol * max(1.0, self.grad_scale)
 
 
 def _grads(model) -> torch.Tensor:
@@ -70,36 +87,43 @@ def _grads(model) -> torch.Tensor:
 
 def compare(
     model, examples: list[Example], *, packs=None, backend: str = "sdpa", restart_positions: bool = True,
-    case: str = "", pad_multiple: int = 1,
+    case: str = "", pad_multiple: int = 1, prefix_sharing: bool = True,
 ) -> VerifyResult:
-    """Max abs diff of per-response logps and of DPO-loss gradients, prefix-shared vs separate passes.
+    """Max abs diff of per-response logps and of DPO-loss gradients, our layout vs separate stock passes.
 
+    prefix_sharing=False lays the standard `[prompt][response]` sequences out instead (each its own
+    document; with `packs`, an example's sequences share its packed line), as training does without
+    prefix sharing. Gradients are compared only where the backend has a backward on the model's device
+    (FlexAttention on CPU is forward only): otherwise `grad_diff` is None.
     restart_positions=False deliberately breaks the layout (positions run on through the row): used to
     show the check catches a wrong setup.
     """
     device = next(model.parameters()).device
-    batch = build_batch(examples, prefix_sharing=True, packs=packs, pad_multiple=pad_multiple)
+    batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple)
     if not restart_positions:
         L = batch.input_ids.shape[1]
         batch.position_ids = torch.arange(L).expand_as(batch.input_ids).clone()
     batch = batch.to(device)
+    with_grad = not (backend == "flex" and device.type == "cpu")
 
     model.zero_grad(set_to_none=True)
-    reference = separate_pass_logps(model, examples)
-    dpo_loss(reference, batch.pair_better, batch.pair_worse).backward()
-    reference_grads = _grads(model).clone()
-
-    model.zero_grad(set_to_none=True)
-    prepare_model(model, backend)
-    shared = compute_response_logps(model, batch, backend=backend).sums
-    dpo_loss(shared, batch.pair_better, batch.pair_worse).backward()
-    shared_grads = _grads(model)
-    model.zero_grad(set_to_none=True)
-
-    return VerifyResult(
+    with torch.set_grad_enabled(with_grad):
+        reference = separate_pass_logps(model, examples)
+        prepare_model(model, backend)
+        ours = compute_response_logps(model, batch, backend=backend).sums
+    result = VerifyResult(
         case=case,
-        logp_diff=(shared.detach() - reference.detach()).abs().max().item(),
+        logp_diff=(ours.detach() - reference.detach()).abs().max().item(),
         logp_scale=reference.detach().abs().max().item(),
-        grad_diff=(shared_grads - reference_grads).abs().max().item(),
-        grad_scale=reference_grads.abs().max().item(),
+        grad_diff=None,
+        grad_scale=None,
     )
+    if with_grad:
+        dpo_loss(reference, batch.pair_better, batch.pair_worse).backward()
+        reference_grads = _grads(model).clone()
+        model.zero_grad(set_to_none=True)
+        dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
+        result.grad_diff = (_grads(model) - reference_grads).abs().max().item()
+        result.grad_scale = reference_grads.abs().max().item()
+        model.zero_grad(set_to_none=True)
+    return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 DEFAULT_PROMPTS = [
     "The committee met on Tuesday to review the budget. After a long discussion about priorities,",
@@ -32,7 +33,8 @@ def register(subparsers) -> None:
         "verify",
         help="check prefix-shared log-probs and gradients against separate passes on your model",
         description=(
-            "Builds prefix-shared and packed rows (K=2 and K=4) from built-in or given text, and compares "
+            "Builds prefix-shared and packed rows (K=2 and K=4), and standard sequences packed without sharing, "
+            "from built-in or given text, and compares "
             "per-response log-probs and the gradient of a DPO loss against separate standard forward passes. "
             "Exits non-zero if a difference is above tolerance."
         ),
@@ -85,7 +87,9 @@ def run(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prefixdpo.verify import compare
+    from prefixdpo.forward import check_model_supported
+    from prefixdpo.logprobs import UnsupportedModelError
+    from prefixdpo.verify import compare, stock_implementation
 
     dtype = getattr(torch, args.dtype)
     logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
@@ -99,26 +103,43 @@ def run(args) -> int:
     examples = _examples(tokenizer, args.text_file)
     n = len(examples)
     pad_multiple = 128 if args.attention == "flex" else 1
-    cases = [
-        ("unpacked (one row per example)", None),
-        ("packed (all examples in one row)", [list(range(n))]),
-        ("packed (two rows, with padding)", [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]]),
+    cases = [  # (name, packs, prefix_sharing)
+        ("unpacked (one row per example)", None, True),
+        ("packed (all examples in one row)", [list(range(n))], True),
+        ("packed (two rows, with padding)", [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]], True),
+        ("standard sequences packed, no sharing", [list(range(n))], False),
     ]
     arch = type(model).__name__
+    forward_only = args.attention == "flex" and torch.device(args.device).type == "cpu"
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        check_model_supported(model, args.attention)
+        if forward_only and getattr(cfg, "attn_logit_softcapping", None) is not None:
+            # measured (torch 2.13): inductor's CPU flex template fails to compile a soft-capping score_mod
+            raise UnsupportedModelError(
+                f"{arch} uses attention logit soft-capping, which FlexAttention reproduces only on CUDA")
+    except UnsupportedModelError as err:  # one line naming the feature
+        hint = "" if args.device.startswith("cuda") else "; verify it with --device cuda --attention flex"
+        print(f"prefixdpo verify: error: {err}{hint}", file=sys.stderr)
+        return 2
     print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={args.attention}, "
-          f"{n} examples, K = {sorted({e.num_responses for e in examples})}")
-    print(f"tolerances: logp |shared - separate| <= {logp_tol:g} x max(1, largest |logp|); "
+          f"{n} examples, K = {sorted({e.num_responses for e in examples})}; "
+          f"stock passes: {stock_implementation(model)} attention")
+    print(f"tolerances: logp |ours - separate| <= {logp_tol:g} x max(1, largest |logp|); "
           f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
-    print(f"{'case':36} {'max |dlogp|':>12} {'max |dgrad|':>12}  result")
+    if forward_only:
+        print("gradients not compared: FlexAttention has no backward on CPU (log-probs only)")
+    print(f"{'case':38} {'max |dlogp|':>12} {'max |dgrad|':>12}  result")
     failed = False
-    for name, packs in cases:
+    for name, packs, sharing in cases:
         result = compare(
             model, examples, packs=packs, backend=args.attention, case=name, pad_multiple=pad_multiple,
-            restart_positions=not args.no_restart_positions,
+            restart_positions=not args.no_restart_positions, prefix_sharing=sharing,
         )
         ok = result.ok(logp_tol, grad_tol)
         failed |= not ok
-        print(f"{name:36} {result.logp_diff:12.3e} {result.grad_diff:12.3e}  {'ok' if ok else 'FAIL'}")
+        grad = "n/a" if result.grad_diff is None else f"{result.grad_diff:.3e}"
+        print(f"{name:38} {result.logp_diff:12.3e} {grad:>12}  {'ok' if ok else 'FAIL'}")
     print("verdict: " + ("FAIL: prefix sharing does not match separate passes" if failed else
                          "prefix sharing matches separate passes"))
     return 1 if failed else 0
