@@ -12,6 +12,7 @@ from prefixdpo.data.loading import load_records  # noqa: E402
 from prefixdpo.data.prepare import DataOptions, prepare_examples  # noqa: E402
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from prefixdpo.data.validation import InvalidRecordError  # noqa: E402
+from prefixdpo.errors import UserError  # noqa: E402
 
 RECORDS = [{"prompt": f"Question {i}:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(6)]
 CHAT = [{"prompt": [{"role": "user", "content": f"hi {i}"}], "chosen": [{"role": "assistant", "content": "hello"}],
@@ -81,7 +82,7 @@ def test_splits_dataset_dict_and_eval_split(tmp_path, tok):
     assert len(load_records(dd)) == 6 and len(load_records(dd, split="test")) == 2
     dd.save_to_disk(str(tmp_path / "dd"))
     assert len(load_records(tmp_path / "dd", split="test")) == 2
-    with pytest.raises(ValueError, match=r"no split 'dev' \(available: train, test\)"):
+    with pytest.raises(UserError, match=r"no split 'dev' \(available: train, test\)"):
         load_records(dd, split="dev")
     data = prepare_examples(str(tmp_path / "dd"), tok, DataOptions(eval_split="test"))
     assert (len(data.examples), len(data.eval_examples), data.eval_report.loaded) == (6, 2, 2)
@@ -97,11 +98,12 @@ def test_in_memory_dataset_and_max_samples(tok):
 
 
 def test_path_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such file or directory: ./missing.jsonl"):
+    with pytest.raises(UserError, match="no such file or directory: ./missing.jsonl") as info:
         load_records("./missing.jsonl")
+    assert isinstance(info.value, FileNotFoundError)  # callers catching the OS error still do
     path = write_jsonl(tmp_path / "d.jsonl", RECORDS)
-    with pytest.raises(ValueError, match="a single file has only the split 'train', not 'test'"):
+    with pytest.raises(UserError, match="a single file has only the split 'train', not 'test'"):
         load_records(path, split="test")
     (tmp_path / "d.txt").write_text("x")
-    with pytest.raises(ValueError, match="unknown file type '.txt'"):
+    with pytest.raises(UserError, match="unknown file type '.txt'"):
         load_records(tmp_path / "d.txt")

@@ -10,6 +10,7 @@ from prefixdpo.flops import ModelShape, ideal_speedup
 from prefixdpo.data.example import Example
 from prefixdpo.data.stats import compute_stats
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from prefixdpo.errors import UserError
 
 SHAPE = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
 
@@ -45,7 +46,7 @@ def test_auto_pack_length_and_rows_over_explicit_length():
 
 
 def test_no_examples():
-    with pytest.raises(ValueError, match="no examples"):
+    with pytest.raises(UserError, match="no examples to compute statistics on"):
         compute_stats([])
 
 

@@ -9,6 +9,7 @@ import pytest
 from prefixdpo.data.prepare import DataOptions, prepare_examples
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.data.validation import InvalidRecordError
+from prefixdpo.errors import ConfigError, UserError
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,8 @@ def test_invalid_record_error_policy(tok, bad, reason, message):
         prepare_examples([GOOD, bad, GOOD], tok, DataOptions(invalid="error"))
     err = info.value
     assert str(err) == f"record 1: {message}"
-    assert "\n" not in str(err) and isinstance(err, ValueError)
+    # a UserError: the command line prints it as this one line (exit 2); still a ValueError for old callers
+    assert "\n" not in str(err) and isinstance(err, UserError) and isinstance(err, ValueError)
     assert (err.index, err.reason) == (1, reason)
 
 
@@ -110,7 +112,7 @@ def test_null_in_a_jsonl_file_is_reported_as_null(tok, tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a", "rejected": null}\n'
                     '{"prompt": "p", "chosen": "a"}\n')
-    with pytest.raises(InvalidRecordError, match=r"^record 1: field 'rejected' is null \(None\)$"):
+    with pytest.raises(UserError, match=r"^record 1: field 'rejected' is null \(None\)$"):
         prepare_examples(str(path), tok)
     rep = prepare_examples(str(path), tok, DataOptions(invalid="skip")).report
     assert dict(rep.skipped) == {"wrong_type": 1, "missing_field": 1}
@@ -133,7 +135,7 @@ def test_many_skips_counted_by_reason(tok):
 
 def test_conversational_data_needs_a_chat_template():
     t = build_tiny_tokenizer(chat_template=False)
-    with pytest.raises(ValueError, match="tokenizer has no chat template"):
+    with pytest.raises(UserError, match="the data is conversational but the tokenizer has no chat template"):
         prepare_examples([{"prompt": [U], "chosen": [A], "rejected": [B]}], t)
 
 
@@ -150,7 +152,7 @@ def test_chat_template_failure_is_a_record_error(tok):
 def test_bad_options_are_refused():
     for kw in ({"invalid": "ignore"}, {"overlong": "cut"}, {"truncation_mode": "middle"},
                {"pairs_policy": "random"}, {"max_length": 0}):
-        with pytest.raises(ValueError, match=next(iter(kw))):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
             DataOptions(**kw)
 
 

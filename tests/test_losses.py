@@ -18,6 +18,7 @@ Two kinds of reference values:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import defaultdict
@@ -26,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.losses import rewards
 from prefixdpo.objective import (
     LOSSES,
@@ -47,6 +49,15 @@ DPOTrainer = trl_dpo.DPOTrainer
 
 RTOL, ATOL = 1e-5, 1e-6
 P, T = 6, 9  # pairs, max response length
+
+
+@contextlib.contextmanager
+def _caller_bug(match: str):
+    """A wrong argument from the trainer (not an option): a ValueError that is NOT a UserError, so the
+    command line keeps its traceback instead of printing it as the user's mistake."""
+    with pytest.raises(ValueError, match=match) as info:
+        yield
+    assert not isinstance(info.value, UserError), type(info.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +362,7 @@ def test_rewards():
     assert free.tolist() == pytest.approx([2.0 * -10.0 / 4, 2.0 * -7.0 / 2], rel=1e-12)
     chosen, rejected = pair_rewards(x, 0.1)
     assert rejected.tolist() == pytest.approx([0.1 * -2.0, 0.1 * -1.0], rel=1e-12)
-    with pytest.raises(LossConfigError, match="lengths"):
+    with _caller_bug("lengths"):
         rewards(x.policy_chosen_logps, None, 0.1)
 
 
@@ -363,25 +374,28 @@ def test_reference_free_set():
 
 def test_errors():
     x, no_ref = _hand_inputs(), _hand_inputs(with_ref=False)
-    with pytest.raises(LossConfigError, match=r"unknown loss type 'dpo'; known: .*sigmoid.*simpo"):
+    # Options the user gave: a ConfigError (one line, exit 2 on the command line).
+    assert issubclass(LossConfigError, ConfigError)
+    with pytest.raises(ConfigError, match=r"unknown loss type 'dpo'; known: .*sigmoid.*simpo"):
         combined_loss(["dpo"], None, x, LossParams())
-    with pytest.raises(ValueError, match="needs reference log-probs"):
-        combined_loss(["sigmoid"], None, no_ref, LossParams())
-    with pytest.raises(ValueError, match="loss_weights has 1 entries but loss_types has 2"):
+    with pytest.raises(ConfigError, match="loss_weights has 1 entries but loss_types has 2"):
         combined_loss(["sigmoid", "sft"], [1.0], x, LossParams())
-    no_len = PairLogps(x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps)
-    with pytest.raises(ValueError, match="'ipo' needs chosen_lengths"):
-        combined_loss(["ipo"], None, no_len, LossParams())
-    with pytest.raises(ValueError, match="only defined for"):
+    with pytest.raises(ConfigError, match="only defined for"):
         combined_loss(["nca_pair"], None, x, LossParams(f_divergence_type="forward_kl"))
-    with pytest.raises(ValueError, match="unknown f_divergence_type"):
+    with pytest.raises(ConfigError, match="unknown f_divergence_type"):
         combined_loss(["sigmoid"], None, x, LossParams(f_divergence_type="kl"))
-    with pytest.raises(ValueError, match="label_smoothing"):
+    with pytest.raises(ConfigError, match="label_smoothing"):
         combined_loss(["exo_pair"], None, x, LossParams(label_smoothing=0.0))
-    with pytest.raises(ValueError, match="label_smoothing"):
+    with pytest.raises(ConfigError, match="label_smoothing"):
         combined_loss(["robust"], None, x, LossParams(label_smoothing=0.5))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ConfigError, match="empty"):
         combined_loss([], None, x, LossParams())
+    # Inputs the trainer supplies: missing ones are a bug, not the user's mistake.
+    with _caller_bug("needs reference log-probs"):
+        combined_loss(["sigmoid"], None, no_ref, LossParams())
+    no_len = PairLogps(x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps)
+    with _caller_bug("'ipo' needs chosen_lengths"):
+        combined_loss(["ipo"], None, no_len, LossParams())
 
 
 
@@ -568,20 +582,20 @@ def test_step_context_errors():
     leaves, lc, lr = _step_leaves(seed=13)
     x = _pairs(leaves, lc, lr)
     p = LossParams()
-    with pytest.raises(LossConfigError, match="aot need step_pairs"):
+    with _caller_bug("aot need step_pairs"):
         step_context(["aot"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
-    with pytest.raises(LossConfigError, match="bco_pair need step_pairs"):
+    with _caller_bug("bco_pair need step_pairs"):
         step_context(["bco_pair"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=BCORunningMean(), train=True)
-    with pytest.raises(LossConfigError, match="holds 8 pairs but num_pairs=16"):
+    with _caller_bug("holds 8 pairs but num_pairs=16"):
         step_context(["aot"], p, StepPairs.of(x), num_pairs=16, chosen_tokens=None, bco_state=None, train=True)
-    with pytest.raises(LossConfigError, match="sft need chosen_tokens"):
+    with _caller_bug("sft need chosen_tokens"):
         step_context(["sft"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
     context = step_context(["aot"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
-    with pytest.raises(LossConfigError, match=r"context holds 8 pairs but inputs hold 3: pass context.local"):
+    with _caller_bug(r"context holds 8 pairs but inputs hold 3: pass context.local"):
         combined_loss(["aot"], None, _pairs(leaves, lc, lr, [0, 1, 2]), p, context)
     with pytest.raises(TypeError, match="StepContext"):
         combined_loss(["bco_pair"], None, x, p, BCORunningMean())
-    with pytest.raises(LossConfigError, match="need reference"):
+    with _caller_bug("need reference"):
         StepPairs.of(PairLogps(x.policy_chosen_logps, x.policy_rejected_logps))
     assert isinstance(context.local(torch.tensor([2, 0])), StepContext)
 

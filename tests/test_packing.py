@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 
+from prefixdpo.errors import UserError
 from prefixdpo.data.packing import (
     RowTooLongError,
     auto_pack_length,
@@ -86,11 +87,14 @@ def test_no_shuffle_ignores_seed_and_epoch():
 
 
 def test_row_too_long_names_index_and_lengths():
-    with pytest.raises(RowTooLongError, match=r"row 2: length 300 exceeds pack_length 256"):
+    # the user's pack_length is too small for a row: one line on the command line, not a traceback
+    with pytest.raises(UserError, match=r"row 2: length 300 exceeds pack_length 256") as info:
         plan_packs([10, 20, 300], 256)
-    assert issubclass(RowTooLongError, ValueError)
-    with pytest.raises(ValueError, match="row 1"):
+    assert isinstance(info.value, RowTooLongError) and isinstance(info.value, ValueError)
+    # a non-positive row length cannot come from an Example (it refuses empty parts): a bug, not a UserError
+    with pytest.raises(ValueError, match="row 1") as info:
         plan_packs([10, -1], 256)
+    assert not isinstance(info.value, UserError)
 
 
 def test_exact_fit_and_empty_input():

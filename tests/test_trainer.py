@@ -21,6 +21,7 @@ import torch
 from conftest import make_examples, tiny_model
 from prefixdpo.config import PrefixDPOConfig, parse_train_args
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
+from prefixdpo.errors import UserError
 from prefixdpo.trainer import NonFiniteLossError, PrefixDPOTrainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -246,14 +247,34 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     examples = make_examples(16)
     args = config(tmp_path, save_strategy="steps", save_steps=1)
     trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
-    with pytest.raises(NonFiniteLossError, match="optimizer step 3.*checkpoint-2"):
+    # a UserError: the command line prints this one line (naming the last good checkpoint), no traceback
+    with pytest.raises(UserError, match="optimizer step 3.*checkpoint-2") as info:
         trainer.train()
+    assert isinstance(info.value, NonFiniteLossError)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
     from safetensors.torch import load_file
 
     saved = load_file(os.path.join(args.output_dir, "checkpoint-2", "model.safetensors"))
     current = trainer.model.state_dict()
     assert all(torch.equal(saved[k], current[k]) for k in saved)  # the bad step was never applied
+
+
+def test_bad_trainer_input_is_a_user_error(tmp_path):
+    """What the user gives the trainer, when wrong, raises a UserError naming it (one line, exit 2 on the
+    command line), not an exception that reads as a bug."""
+    model, args = tiny_model("llama"), config(tmp_path, output_dir=str(tmp_path / "empty"))
+    trainer = PrefixDPOTrainer(model=model, args=args, train_dataset=make_examples(4))
+    with pytest.raises(UserError, match=r"resume_from_checkpoint='latest': no checkpoint-\* folder in .*empty"):
+        trainer.train(resume_from_checkpoint="latest")
+    with pytest.raises(UserError, match="evaluation needs an eval_dataset"):
+        trainer.get_eval_dataloader()
+    with pytest.raises(UserError, match="^train dataset is empty$"):
+        PrefixDPOTrainer(model=model, args=args, train_dataset=[])
+    records = [{"prompt": "Q:", "chosen": " a", "rejected": " b"}]
+    with pytest.raises(UserError, match="train dataset holds records, not Examples: pass processing_class"):
+        PrefixDPOTrainer(model=model, args=args, train_dataset=records)
+    with pytest.raises(UserError, match="needs a model"):
+        PrefixDPOTrainer(model=None, args=args, train_dataset=make_examples(4))
 
 
 def test_parse_train_args_yaml_and_overrides(tmp_path):

@@ -10,10 +10,12 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from prefixdpo.errors import UserError
+
 STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
 
 
-class NonFiniteLossError(ValueError):
+class NonFiniteLossError(UserError):
     """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from prefixdpo.data.example import Example
+from prefixdpo.errors import UserError
 
 __all__ = [
     "ModelShape",
@@ -80,7 +81,7 @@ class ModelShape:
             if getattr(config, name, None) is None
         ]
         if missing:
-            raise ValueError(f"config {type(config).__name__} lacks {', '.join(missing)}: cannot count FLOPs")
+            raise UserError(f"model config {type(config).__name__} lacks {', '.join(missing)}: cannot count FLOPs")
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -121,7 +122,7 @@ class ModelShape:
             count = count + (shared_flop_count(self, ex) if shared else standard_flop_count(self, ex))
         total = count.total
         if total == 0:
-            raise ValueError("flop_fractions: empty workload")
+            raise UserError("flop_fractions: empty workload (no examples)")
         return {"body": count.body / total, "attention": count.attention / total, "lm_head": count.lm_head / total}
 
 
@@ -190,5 +191,5 @@ def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Seq
         std += standard_flops(shape, ex)
         shared += shared_flops(shape, ex)
     if shared == 0:
-        raise ValueError("ideal_speedup: empty workload")
+        raise UserError("ideal_speedup: empty workload (no examples)")
     return std / shared

@@ -15,11 +15,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from prefixdpo.data.batch import Batch
+from prefixdpo.errors import ConfigError, UserError
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, D] -> logits [N, V] (fp32 or fp64)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
     """The model has a feature prefix sharing cannot reproduce exactly; the message names it."""
 
 
@@ -78,7 +79,7 @@ def _chunk_token_logps(head: Head, hidden: torch.Tensor, target_ids: torch.Tenso
 def token_logps(head: Head, hidden: torch.Tensor, target_ids: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """Log-prob of each target token. hidden [T, D], target_ids [T] -> [T] fp32."""
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise ConfigError(f"chunk_size (logprob_chunk_size) must be >= 1, got {chunk_size}")
     outs = []
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prefixdpo.errors import ConfigError
+
 __all__ = [
     "LossConfigError",
     "F_DIVERGENCES",
@@ -54,8 +56,8 @@ __all__ = [
 ]
 
 
-class LossConfigError(ValueError):
-    """An unknown loss name, a missing input a loss needs, or inconsistent loss settings."""
+class LossConfigError(ConfigError):
+    """An unknown loss name or an inconsistent loss setting (an option the user gave)."""
 
 
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -346,7 +348,7 @@ def rewards(
     if ref_logps is not None:
         return (beta * (policy_logps - ref_logps)).detach()
     if lengths is None:
-        raise LossConfigError("reference-free rewards need lengths (response token counts)")
+        raise ValueError("reference-free rewards need lengths (response token counts)")
     return (beta * _per_token(policy_logps, lengths)).detach()
 
 

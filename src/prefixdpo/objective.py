@@ -183,7 +183,7 @@ class StepPairs:
     def of(cls, inputs: PairLogps) -> StepPairs:
         """The detached values of ``inputs`` (a micro-batch's, or a whole step's in one call)."""
         if not inputs.has_reference:
-            raise LossConfigError("StepPairs need reference log-probs (ref_chosen_logps and ref_rejected_logps)")
+            raise ValueError("StepPairs need reference log-probs (ref_chosen_logps and ref_rejected_logps)")
         return cls(
             inputs.policy_chosen_logps.detach(), inputs.policy_rejected_logps.detach(),
             inputs.ref_chosen_logps.detach(), inputs.ref_rejected_logps.detach(),
@@ -352,18 +352,20 @@ def step_context(
     names = set(canonical_loss_types(loss_types))
     # needs_step_pairs, except that without a BCO state there is no running mean to update
     uses_pairs = bool(names & _SORTED) or (train and "bco_pair" in names and bco_state is not None)
+    # The arguments below come from the trainer, not from an option: a wrong one is a caller's bug, so a
+    # plain ValueError (with its traceback), not a LossConfigError.
     if step_pairs is None and uses_pairs:
-        raise LossConfigError(
+        raise ValueError(
             f"losses {', '.join(sorted(names & (_SORTED | {'bco_pair'})))} need step_pairs "
             "(detached log-probs of every pair of the step)"
         )
     if step_pairs is not None and step_pairs.num_pairs != num_pairs:
-        raise LossConfigError(f"step_pairs holds {step_pairs.num_pairs} pairs but num_pairs={num_pairs}")
+        raise ValueError(f"step_pairs holds {step_pairs.num_pairs} pairs but num_pairs={num_pairs}")
 
     mean_chosen_tokens: Tensor | float = 1.0
     if names & _TOKEN_MEAN:
         if chosen_tokens is None:
-            raise LossConfigError(f"losses {', '.join(sorted(names & _TOKEN_MEAN))} need chosen_tokens of the step")
+            raise ValueError(f"losses {', '.join(sorted(names & _TOKEN_MEAN))} need chosen_tokens of the step")
         total = chosen_tokens.clamp(min=1) if isinstance(chosen_tokens, Tensor) else max(chosen_tokens, 1)
         mean_chosen_tokens = total / max(num_pairs, 1)
 
@@ -392,14 +394,16 @@ def step_context(
 
 
 def _check(name: str, inputs: PairLogps, params: LossParams) -> None:
+    # A missing input is the caller's bug (the trainer supplies what the configured losses need): ValueError.
+    # A bad option (f_divergence_type) is the user's: LossConfigError, printed as one line.
     if name not in NEEDS_NO_REFERENCE and not inputs.has_reference:
-        raise LossConfigError(
+        raise ValueError(
             f"loss {name!r} needs reference log-probs (ref_chosen_logps and ref_rejected_logps); "
             f"losses without a reference: {', '.join(sorted(NEEDS_NO_REFERENCE))}"
         )
     for attr in _NEEDS_LENGTHS.get(name, ()):
         if getattr(inputs, attr) is None:
-            raise LossConfigError(f"loss {name!r} needs {attr} (response token counts)")
+            raise ValueError(f"loss {name!r} needs {attr} (response token counts)")
     if params.f_divergence_type != "reverse_kl":
         if params.f_divergence_type not in F_DIVERGENCES:
             raise LossConfigError(
@@ -463,7 +467,7 @@ def combined_loss(
         )
     held = context.pairs_held()
     if held is not None and held != num_pairs:
-        raise LossConfigError(
+        raise ValueError(
             f"context holds {held} pairs but inputs hold {num_pairs}: pass context.local(indices) of this micro-batch"
         )
 

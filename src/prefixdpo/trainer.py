@@ -32,6 +32,7 @@ from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
+from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import final_hidden_states, prepare_model, unwrap
 from prefixdpo.logprobs import lm_head_fn
@@ -74,7 +75,7 @@ class PrefixDPOTrainer(Trainer):
             processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
             model = load_causal_lm(model, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
         if model is None:
-            raise ValueError("PrefixDPOTrainer needs a model (a model object or a name/path)")
+            raise UserError("PrefixDPOTrainer needs a model (a model object or a name/path)")
         model = self._wrap_peft(model, peft_config, args)
         if args.disable_dropout:
             _disable_dropout(model)
@@ -128,7 +129,7 @@ class PrefixDPOTrainer(Trainer):
         if peft_config is None:
             return model
         if is_peft_model(model):
-            raise ValueError("model is already a PEFT model; do not pass peft_config as well")
+            raise UserError("model is already a PEFT model; do not pass peft_config as well")
         from peft import get_peft_model
 
         if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
@@ -179,13 +180,13 @@ class PrefixDPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
-            raise ValueError("PrefixDPOTrainer: training needs a train_dataset")
+            raise UserError("PrefixDPOTrainer: training needs a train_dataset")
         self._train_micro = self._micro_batches(self.train_dataset, train=True)
         return make_dataloader(self._train_micro, self.args.dataloader_num_workers, self.args.dataloader_pin_memory)
 
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError("PrefixDPOTrainer: evaluation needs an eval_dataset")
+            raise UserError("PrefixDPOTrainer: evaluation needs an eval_dataset")
         name = "eval"
         if isinstance(eval_dataset, str):
             name, examples = f"eval_{eval_dataset}", self.eval_dataset[eval_dataset]
@@ -288,7 +289,7 @@ class PrefixDPOTrainer(Trainer):
         if resume_from_checkpoint == "latest":
             last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
             if last is None:
-                raise ValueError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
+                raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
             resume_from_checkpoint = last
         if isinstance(resume_from_checkpoint, str):
             self.step_context.load_state_dict(load_state(resume_from_checkpoint))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings
+from prefixdpo.errors import UserError
 
 
 def is_examples(data) -> bool:
@@ -21,15 +22,15 @@ def as_examples(data, tokenizer, options, name: str, reports: dict) -> list[Exam
     if is_examples(data):
         return list(data)
     if isinstance(data, (list, tuple)) and not data:
-        raise ValueError(f"{name} dataset is empty")
+        raise UserError(f"{name} dataset is empty")
     if tokenizer is None:
-        raise ValueError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
+        raise UserError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
     from prefixdpo.data.prepare import prepare_examples
 
     prepared = prepare_examples(data, tokenizer, options)
     reports[name] = prepared.report
     if not prepared.examples:
-        raise ValueError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
+        raise UserError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
     return prepared.examples
 
 

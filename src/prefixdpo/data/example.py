@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixdpo.errors import UserError
+
 
 @dataclass(frozen=True)
 class Example:
@@ -28,15 +30,15 @@ class Example:
         object.__setattr__(self, "response_ids", tuple(tuple(int(t) for t in r) for r in self.response_ids))
         object.__setattr__(self, "pairs", tuple((int(i), int(j)) for i, j in self.pairs))
         if not self.prompt_ids:
-            raise ValueError(f"record {self.source_index}: empty prompt")
+            raise UserError(f"record {self.source_index}: empty prompt")
         if len(self.response_ids) < 2:
-            raise ValueError(f"record {self.source_index}: needs at least 2 responses, got {len(self.response_ids)}")
+            raise UserError(f"record {self.source_index}: needs at least 2 responses, got {len(self.response_ids)}")
         for k, r in enumerate(self.response_ids):
             if not r:
-                raise ValueError(f"record {self.source_index}: response {k} is empty")
+                raise UserError(f"record {self.source_index}: response {k} is empty")
         for i, j in self.pairs:
             if not (0 <= i < len(self.response_ids) and 0 <= j < len(self.response_ids)) or i == j:
-                raise ValueError(f"record {self.source_index}: bad preference pair ({i}, {j})")
+                raise UserError(f"record {self.source_index}: bad preference pair ({i}, {j})")
 
     @property
     def num_responses(self) -> int:

@@ -34,6 +34,7 @@ from prefixdpo.data.validation import (
     check_text,
     is_blank,
 )
+from prefixdpo.errors import ConfigError
 
 PAIRS_POLICIES = ("best_vs_worst", "best_vs_each", "all_pairs")
 IMPLICIT_TEXT = "implicit_text"
@@ -134,7 +135,7 @@ def preference_pairs(scores: list[float], policy: str) -> list[tuple[int, int]]:
     all_pairs:     every (i, j) with scores[i] > scores[j].
     """
     if policy not in PAIRS_POLICIES:
-        raise ValueError(f"pairs_policy={policy!r}: expected one of {PAIRS_POLICIES}")
+        raise ConfigError(f"pairs_policy={policy!r}: expected one of {PAIRS_POLICIES}")
     best = max(range(len(scores)), key=lambda k: (scores[k], -k))
     if policy == "best_vs_worst":
         worst = min(range(len(scores)), key=lambda k: (scores[k], -k))

@@ -25,6 +25,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.packing import (
     RowTooLongError, auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank,
 )
+from prefixdpo.errors import UserError
 
 Plan = list[list[list[list[int]]]]  # [rank][micro-batch][line][example index]
 
@@ -164,7 +165,7 @@ class MicroBatches(torch.utils.data.Dataset):
     def __init__(self, examples: Sequence[Example], settings: LoaderSettings, rank: int = 0, world_size: int = 1,
                  ref_table=None, plan_settings: LoaderSettings | None = None):
         if not examples:
-            raise ValueError("no examples to train or evaluate on")
+            raise UserError("no examples to train or evaluate on (the dataset is empty)")
         self.examples = list(examples)
         self.settings = settings
         # plan as if with `plan_settings`, lay out with `settings` (lets a test run standard rows on

@@ -22,6 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixdpo.data.validation import BAD_JSON, NOT_UTF8, InvalidRecordError
+from prefixdpo.errors import ConfigError, UserError
+
+class DatasetNotFoundError(UserError, FileNotFoundError):
+    """A dataset path that does not exist: a user error (one line), still a `FileNotFoundError` to catch."""
+
 
 _BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
@@ -36,11 +41,11 @@ def read_json_records(path: str | Path) -> list:
         try:
             records = json.loads(data.decode("utf-8"))
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not valid UTF-8 at byte {err.start}") from None
+            raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+            raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
         if not isinstance(records, list):
-            raise ValueError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
+            raise UserError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
         return records
     records: list = []
     for line_no, line in enumerate(data.splitlines(), start=1):
@@ -75,7 +80,7 @@ def _pick_split(obj, split: str | None, source_name: str):
     if split is None:
         split = "train"
     if split not in names:
-        raise ValueError(f"{source_name}: no split {split!r} (available: {', '.join(names)})")
+        raise UserError(f"{source_name}: no split {split!r} (available: {', '.join(names)})")
     return obj[split]
 
 
@@ -84,7 +89,7 @@ def _local_path(source: str) -> Path | None:
     if path.exists():
         return path
     if source.startswith(_LOCAL_HINTS) or Path(source).suffix.lower() in _BUILDERS:
-        raise FileNotFoundError(f"no such file or directory: {source}")
+        raise DatasetNotFoundError(f"no such file or directory: {source}")
     return None  # not a local path: a Hub name
 
 
@@ -97,11 +102,11 @@ def _load_path(path: Path, split: str | None):
         return _pick_split(datasets.load_dataset(str(path)), split, str(path))  # a folder of data files
     suffix = path.suffix.lower()
     if split not in (None, "train"):
-        raise ValueError(f"{path}: a single file has only the split 'train', not {split!r}")
+        raise UserError(f"{path}: a single file has only the split 'train', not {split!r}")
     if suffix in (".json", ".jsonl"):
         return read_json_records(path)
     if suffix not in _BUILDERS:
-        raise ValueError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
+        raise UserError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
     return datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split="train")
 
 
@@ -116,11 +121,11 @@ def load_records(
     Returns a `datasets.Dataset` or a list; either way `len()` and `[i]` give record i as a dict.
     """
     if max_samples is not None and max_samples < 0:
-        raise ValueError(f"max_samples must be >= 0, got {max_samples}")
+        raise ConfigError(f"max_samples must be >= 0, got {max_samples}")
     if isinstance(source, dict) and _splits(source) is None and not _looks_like_record(source):  # {split: source}
         name = split or "train"
         if name not in source:
-            raise ValueError(f"no split {name!r} (available: {', '.join(source)})")
+            raise UserError(f"no split {name!r} (available: {', '.join(source)})")
         return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples)
     if isinstance(source, (str, Path)):
         path = _local_path(str(source))

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixdpo.errors import ConfigError, UserError
+
 __all__ = [
     "RowTooLongError",
     "auto_pack_length",
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 
-class RowTooLongError(ValueError):
+class RowTooLongError(UserError):
     """A single row is longer than the pack length; apply a drop/truncate policy before packing."""
 
 
@@ -100,7 +102,7 @@ def plan_packs(
     lengths = _check_lengths(row_lengths)
     pack_length = int(pack_length)
     if pack_length <= 0:
-        raise ValueError(f"pack_length must be positive, got {pack_length}")
+        raise ConfigError(f"pack_length must be positive, got {pack_length}")
     for i, n in enumerate(lengths):
         if n > pack_length:
             raise RowTooLongError(f"row {i}: length {n} exceeds pack_length {pack_length}")
@@ -235,5 +237,5 @@ def group_into_batches(packs: Sequence[Sequence[int]], rows_per_batch: int) -> l
     """
     rows_per_batch = int(rows_per_batch)
     if rows_per_batch <= 0:
-        raise ValueError(f"rows_per_batch must be positive, got {rows_per_batch}")
+        raise ConfigError(f"rows_per_batch (the per-device batch size) must be positive, got {rows_per_batch}")
     return [[list(p) for p in packs[k : k + rows_per_batch]] for k in range(0, len(packs), rows_per_batch)]

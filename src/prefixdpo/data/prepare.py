@@ -18,6 +18,7 @@ from prefixdpo.data.loading import load_records
 from prefixdpo.data.tokenize import tokenize_records
 from prefixdpo.data.truncate import OVERLONG_POLICIES, TRUNCATION_MODES, truncate_row
 from prefixdpo.data.validation import InvalidRecordError, SkipLog, check_policy, handle
+from prefixdpo.errors import ConfigError
 
 _CHUNK = 1024  # records tokenized per batch call
 
@@ -58,9 +59,9 @@ class DataOptions:
             ("pairs_policy", self.pairs_policy, PAIRS_POLICIES),
         ):
             if value not in allowed:
-                raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+                raise ConfigError(f"{name}={value!r}: expected one of {allowed}")
         if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+            raise ConfigError(f"max_length must be >= 1, got {self.max_length}")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixdpo.data.example import Example
+from prefixdpo.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def compute_stats(
     from prefixdpo.data.packing import auto_pack_length, packing_efficiency, plan_packs
 
     if not examples:
-        raise ValueError("no examples to compute statistics on")
+        raise UserError("no examples to compute statistics on (the dataset is empty)")
     prompts = [len(ex.prompt_ids) for ex in examples]
     responses = [len(r) for ex in examples for r in ex.response_ids]
     rows = [ex.shared_length for ex in examples]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixdpo.data.example import Example
+from prefixdpo.errors import ConfigError
 
 __all__ = ["LengthProfile", "PROFILES", "NUM_SPECIAL_IDS", "synthetic_lengths", "synthetic_examples"]
 
@@ -73,7 +74,7 @@ def _get_profile(profile: LengthProfile | str) -> LengthProfile:
     try:
         return PROFILES[profile]
     except KeyError:
-        raise ValueError(f"unknown length profile {profile!r}; known: {', '.join(PROFILES)}") from None
+        raise ConfigError(f"unknown length profile {profile!r}; known: {', '.join(PROFILES)}") from None
 
 
 def synthetic_lengths(
@@ -96,11 +97,11 @@ def synthetic_lengths(
     """
     prof = _get_profile(profile)
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise ConfigError(f"n must be >= 0, got {n}")
     if num_responses < 2:
-        raise ValueError(f"num_responses must be >= 2, got {num_responses}")
+        raise ConfigError(f"num_responses must be >= 2, got {num_responses}")
     if max_length is not None and max_length < 1 + num_responses:
-        raise ValueError(f"max_length {max_length} cannot hold a prompt and {num_responses} one-token responses")
+        raise ConfigError(f"max_length {max_length} cannot hold a prompt and {num_responses} one-token responses")
     rng = np.random.default_rng(seed)
     # Prompt first, then all responses, so a profile's prompts do not depend on num_responses.
     prompt = rng.lognormal(math.log(prof.median_prompt), prof.sigma, size=n)
@@ -137,7 +138,7 @@ def synthetic_examples(
     Deterministic given (profile, n, seed, num_responses, max_length, vocab_size).
     """
     if vocab_size <= NUM_SPECIAL_IDS:
-        raise ValueError(f"vocab_size must exceed {NUM_SPECIAL_IDS} (ids below it are reserved), got {vocab_size}")
+        raise ConfigError(f"vocab_size must exceed {NUM_SPECIAL_IDS} (ids below it are reserved), got {vocab_size}")
     prof = _get_profile(profile)
     prompt_len, resp_len = synthetic_lengths(prof, n, seed=seed, num_responses=num_responses, max_length=max_length)
     # A separate stream for token ids, so the lengths equal synthetic_lengths' for the same seed.

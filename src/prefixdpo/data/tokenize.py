@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from prefixdpo.data.formats import ParsedRecord
 from prefixdpo.data.validation import BOUNDARY, InvalidRecordError
+from prefixdpo.errors import UserError
 
 CHAT_TEMPLATE = "chat_template"
 
@@ -84,12 +85,12 @@ def tokenize_records(
     (the caller applies the error/skip policy).
     """
     if any(r.kind == "chat" for r in records) and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the data is conversational but the tokenizer has no chat template (set tokenizer.chat_template)")
+        raise UserError("the data is conversational but the tokenizer has no chat template (set tokenizer.chat_template)")
     eos = None
     if add_eos and any(r.kind == "text" for r in records):
         eos = tokenizer.eos_token
         if eos is None:
-            raise ValueError("add_eos=True but the tokenizer has no eos_token (set one, or pass add_eos=False)")
+            raise UserError("add_eos=True but the tokenizer has no eos_token (set one, or pass add_eos=False)")
 
     rendered: list[list[str] | InvalidRecordError] = []
     for record in records:

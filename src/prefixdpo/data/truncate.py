@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixdpo.errors import ConfigError
+
 TRUNCATION_MODES = ("keep_start", "keep_end")
 OVERLONG_POLICIES = ("truncate", "drop")
 
@@ -59,9 +61,9 @@ def truncate_row(
     prompt: P ids (P >= 1); responses: K lists of ids (each non-empty).
     """
     if truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"truncation_mode={truncation_mode!r}: expected one of {TRUNCATION_MODES}")
+        raise ConfigError(f"truncation_mode={truncation_mode!r}: expected one of {TRUNCATION_MODES}")
     if overlong not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_POLICIES}")
+        raise ConfigError(f"overlong={overlong!r}: expected one of {OVERLONG_POLICIES}")
     if max_length is None:
         return Limited(prompt, responses, "kept")
     p = len(prompt)

@@ -12,6 +12,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from prefixdpo.errors import ConfigError, UserError
+
 INVALID_POLICIES = ("error", "skip")
 
 # Reason codes (the keys of `DataReport.skipped`).
@@ -29,7 +31,7 @@ UNKNOWN_FORMAT = "unknown_format"
 BOUNDARY = "boundary"
 
 
-class InvalidRecordError(ValueError):
+class InvalidRecordError(UserError):
     """A user record that cannot become an `Example`. `str(err)` is `record <index>: <problem>`."""
 
     def __init__(self, index: int, reason: str, problem: str):
@@ -57,7 +59,7 @@ class SkipLog:
 
 def check_policy(invalid: str) -> None:
     if invalid not in INVALID_POLICIES:
-        raise ValueError(f"invalid={invalid!r}: expected one of {INVALID_POLICIES}")
+        raise ConfigError(f"invalid={invalid!r}: expected one of {INVALID_POLICIES}")
 
 
 def handle(err: InvalidRecordError, invalid: str, log: SkipLog) -> None:
