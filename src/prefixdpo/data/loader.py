@@ -95,6 +95,18 @@ def pack_in_order(row_lengths: Sequence[int], pack_length: int) -> list[list[int
     return lines
 
 
+def _check_rows_fit(examples: Sequence[Example], lengths: Sequence[int], pack_length: int) -> None:
+    """RowTooLongError for the first example whose row is longer than `pack_length`, named by the user's
+    record number (packing itself only knows row indices, which mean nothing to the user)."""
+    for i, (ex, n) in enumerate(zip(examples, lengths)):
+        if n > pack_length:
+            where = f"record {ex.source_index}" if ex.source_index >= 0 else f"example {i}"
+            raise RowTooLongError(
+                f"{where}: its row holds {n} tokens, more than pack_length={pack_length} "
+                "(raise pack_length, or lower max_length to truncate or drop long records)"
+            )
+
+
 def plan_epoch(
     examples: Sequence[Example], settings: LoaderSettings, epoch: int, world_size: int, pack_length: int | None = None
 ) -> Plan:
@@ -108,6 +120,7 @@ def plan_epoch(
     if settings.packing:
         lengths = [row_length(ex, settings.prefix_sharing) for ex in examples]
         pack_length = pack_length or resolve_pack_length(examples, settings)
+        _check_rows_fit(examples, lengths, pack_length)
         if settings.sequential:
             lines = pack_in_order(lengths, pack_length)
         else:
