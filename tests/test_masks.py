@@ -65,15 +65,23 @@ def _flex_available() -> bool:
 
 
 @pytest.mark.skipif(not _flex_available(), reason="this torch has no FlexAttention")
-def test_flex_forward_matches_sdpa_on_cpu():
+def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
     from prefixdpo.forward import compute_response_logps, prepare_model
 
+    # A private inductor cache: measured, kernels cached under one ATEN_CPU_CAPABILITY and reused under
+    # another (avx512 -> avx2) gave log-probs off by 6.0; the cache key does not include the capability.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = tiny_model("qwen2")
     batch = packed_batch()
     prepare_model(model, "sdpa")
     with torch.no_grad():
         sdpa = compute_response_logps(model, batch, backend="sdpa").sums
-        flex = compute_response_logps(model, batch, backend="flex").sums
+        try:
+            flex = compute_response_logps(model, batch, backend="flex").sums
+        except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
+            if "not supported for CPU" not in str(err):
+                raise
+            pytest.skip("compiled FlexAttention is not supported on this CPU capability")
     assert torch.allclose(sdpa, flex, atol=1e-5, rtol=0), (sdpa - flex).abs().max()
 
 
