@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.synthetic import PROFILES, LengthProfile, synthetic_examples
+from prefixdpo.errors import UserError
 
 __all__ = ["Workload", "scaled_profile", "synthetic_workload", "dataset_workload", "fixed_groups"]
 
@@ -45,14 +46,14 @@ class Workload:
 def fixed_groups(n_examples: int, examples_per_step: int) -> list[list[int]]:
     """Consecutive groups of `examples_per_step` indices; the last may be shorter (nothing dropped)."""
     if examples_per_step < 1:
-        raise ValueError(f"examples_per_step must be >= 1, got {examples_per_step}")
+        raise UserError(f"examples_per_step must be >= 1, got {examples_per_step}")
     return [list(range(k, min(k + examples_per_step, n_examples))) for k in range(0, n_examples, examples_per_step)]
 
 
 def scaled_profile(profile: LengthProfile, scale: float) -> LengthProfile:
     """The profile with its median overall length times `scale` (ratio and spread unchanged)."""
     if not scale > 0:
-        raise ValueError(f"length scale must be positive, got {scale}")
+        raise UserError(f"length scale must be positive, got {scale}")
     return replace(profile, median_total=profile.median_total * scale)
 
 
@@ -69,7 +70,7 @@ def synthetic_workload(
 ) -> Workload:
     """`n_examples` seeded synthetic examples of the named paper profile, grouped into steps."""
     if name not in PROFILES:
-        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+        raise UserError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
     prof = PROFILES[name]
     examples = synthetic_examples(
         scaled_profile(prof, length_scale), n_examples, vocab_size=vocab_size, seed=seed,
@@ -98,19 +99,19 @@ def dataset_workload(
         from prefixdpo.data.prepare import DataOptions, prepare_examples
     except ImportError as err:  # the data pipeline is optional for synthetic runs
         raise ValueError(f"--dataset needs prefixdpo.data.prepare, which is not available: {err}") from None
-    from transformers import AutoTokenizer
+    from prefixdpo.models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_name, trust_remote_code=trust_remote_code)
     options = DataOptions(max_length=max_length, max_samples=n_examples, split=split, invalid="skip")
     prepared = prepare_examples(dataset, tokenizer, options)
     examples = list(prepared.examples)
     if not examples:
-        raise ValueError(f"dataset {dataset!r}: no usable examples ({prepared.report.summary()})")
+        raise UserError(f"dataset {dataset!r}: no usable examples ({prepared.report.summary()})")
     if vocab_size is not None:
         for i, ex in enumerate(examples):
             top = max(max(ex.prompt_ids), *(max(r) for r in ex.response_ids))
             if top >= vocab_size:
-                raise ValueError(
+                raise UserError(
                     f"record {ex.source_index if ex.source_index >= 0 else i}: token id {top} >= the model's "
                     f"vocabulary {vocab_size}; pass --model with this tokenizer's model"
                 )

@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 import typing
 
+from prefixdpo.errors import UserError
+
 
 def _options_from(dataclass_type, names) -> type:
     """A dataclass holding only the fields `names` of `dataclass_type` (same types, defaults and help), for
@@ -86,8 +88,6 @@ def _shape(model_config: str | None):
 
 
 def run(args) -> int:
-    from transformers import AutoTokenizer
-
     from prefixdpo.config import DataArguments, PrefixDPOConfig, data_options
     from prefixdpo.data.prepare import prepare_examples
     from prefixdpo.data.stats import compute_stats
@@ -96,7 +96,9 @@ def run(args) -> int:
     config = PrefixDPOConfig(**{name: getattr(args, name) for name in args.config_fields})
     data = DataArguments(dataset_name=args.dataset, **{name: getattr(args, name) for name in args.data_fields})
     options = data_options(config, data)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=config.trust_remote_code)
+    from prefixdpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=config.trust_remote_code)
     shape, model_name = _shape(args.model_config)
     prepared = prepare_examples(args.dataset, tokenizer, options)
     print(prepared.report.summary())
@@ -120,7 +122,7 @@ def _draw_first_line(examples, pack_length: int, path: str):
 
     fitting = [e for e in examples if e.shared_length <= pack_length][:64]
     if not fitting:
-        raise ValueError(f"no example fits the pack length {pack_length}; pass a larger --pack-length")
+        raise UserError(f"no example fits the pack length {pack_length}; pass a larger --pack-length")
     first = plan_packs([e.shared_length for e in fitting], pack_length, shuffle=False)[0]
     batch = build_batch([fitting[i] for i in first], packs=[list(range(len(first)))], length=pack_length)
     return draw_mask(batch, path)

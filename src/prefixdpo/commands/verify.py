@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefixdpo.errors import UserError
+
 DEFAULT_PROMPTS = [
     "The committee met on Tuesday to review the budget. After a long discussion about priorities,",
     "Question: What is the capital of France, and why did it become the capital?\nAnswer:",
@@ -63,7 +65,7 @@ def _examples(tokenizer, text_file: str | None):
             for n, line in enumerate(fh):
                 parts = [x for x in line.rstrip("\n").split("\t") if x]
                 if len(parts) < 3:
-                    raise ValueError(f"{text_file} line {n + 1}: needs a prompt and at least 2 responses, tab-separated")
+                    raise UserError(f"{text_file} line {n + 1}: needs a prompt and at least 2 responses, tab-separated")
                 groups.append((parts[0], parts[1:]))
     else:
         groups = [
@@ -85,8 +87,6 @@ def _examples(tokenizer, text_file: str | None):
 
 def run(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from prefixdpo.forward import check_model_supported
     from prefixdpo.logprobs import UnsupportedModelError
     from prefixdpo.verify import compare, stock_implementation
@@ -95,10 +95,10 @@ def run(args) -> int:
     logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
     logp_tol = args.logp_tol if args.logp_tol is not None else logp_tol
     grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=dtype, trust_remote_code=args.trust_remote_code, use_safetensors=None,
-    ).to(args.device)
+    from prefixdpo.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    model = load_causal_lm(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
     model.train(False)  # dropout off: both sides must compute the same function
     examples = _examples(tokenizer, args.text_file)
     n = len(examples)
