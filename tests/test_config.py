@@ -211,3 +211,13 @@ def test_missing_config_file_and_config_value_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="pack_length"):
         PrefixDPOConfig(output_dir=str(tmp_path), pack_length="big")
     assert issubclass(ConfigError, ValueError)  # callers catching ValueError for bad input keep working
+
+
+def test_sampling_strategies_we_do_not_implement_are_refused(tmp_path):
+    from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.errors import ConfigError
+
+    for strategy in ("random", "sequential"):
+        assert PrefixDPOConfig(output_dir=str(tmp_path), train_sampling_strategy=strategy).train_sampling_strategy == strategy
+    with pytest.raises(ConfigError, match="train_sampling_strategy='group_by_length'"):
+        PrefixDPOConfig(output_dir=str(tmp_path), train_sampling_strategy="group_by_length")

@@ -22,7 +22,8 @@ from trl import TrlParser
 
 from prefixdpo.attention.backends import BACKENDS
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.losses import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossConfigError, LossParams
+from prefixdpo.losses import LossConfigError
+from prefixdpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
 
 ATTENTION_CHOICES = BACKENDS
 
@@ -115,6 +116,11 @@ class PrefixDPOConfig(TrainingArguments):
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta}: must be positive")
+        if self.train_sampling_strategy not in ("random", "sequential"):
+            # Trainer's samplers are replaced by our micro-batch plan; packing is how we group by length.
+            raise ConfigError(f"train_sampling_strategy={self.train_sampling_strategy!r}: prefixdpo supports "
+                              "'random' (a seeded shuffle per epoch) and 'sequential' (file order); --packing "
+                              "groups rows by length")
 
     # ---- derived ----
     @property
@@ -197,7 +203,7 @@ class DataArguments:
     dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
     max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
     pairs_policy: str = field(default="best_vs_worst", metadata={"help": "Multi-response records: best_vs_worst | best_vs_each | all_pairs."})
-    overlong: str = field(default="truncate", metadata={"help": "Rows over max_length: truncate or drop."})
+    overlong: str = field(default="truncate", metadata={"help": "Examples with a prompt + response over max_length: truncate or drop."})
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
 
 
