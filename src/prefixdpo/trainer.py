@@ -4,7 +4,7 @@ Trainer keeps everything that is not preference-specific (optimizer, schedules, 
 mixed precision, logging integrations, DDP/FSDP/DeepSpeed). We supply:
 
 - data: each loader item is one micro-batch (padded or packed lines), planned per epoch with the seed,
-  the same number of micro-batches on every rank (`data/loader.py`); re-planned by `EpochPlanCallback`;
+  the same number of micro-batches on every rank (`data/loader.py`); re-planned by `PrefixDPOCallback`;
 - `compute_loss`: `step.pair_losses` (policy, reference strategy, losses) for the micro-batch, normalised
   by the pairs of the whole optimizer step;
 - evaluation: a pair-weighted loop returning `eval_loss`, `eval_rewards/accuracies`, ...;
@@ -19,7 +19,6 @@ packing spread the pairs over micro-batches.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 
@@ -34,20 +33,15 @@ from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
-from prefixdpo.forward import final_hidden_states, prepare_model, unwrap
+from prefixdpo.forward import final_hidden_states, restore_stock_attention, unwrap
 from prefixdpo.logprobs import lm_head_fn
 from prefixdpo.metrics import MetricSums
-from prefixdpo.reference import PrecomputedReference, choose_reference, is_peft_model
-from prefixdpo.step import Objective, pair_losses
+from prefixdpo.model_setup import prepare_policy, prepare_reference
+from prefixdpo.reference import PrecomputedReference, choose_reference
+from prefixdpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.step_context import StepContextBuilder
 
-logger = logging.getLogger(__name__)
-
-def _disable_dropout(model) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
+__all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
 
 class PrefixDPOTrainer(Trainer):
     """DPO-family preference training with prefix sharing; TRL `DPOTrainer`-shaped constructor.
@@ -69,18 +63,9 @@ class PrefixDPOTrainer(Trainer):
         args = args if args is not None else PrefixDPOConfig()
         if not isinstance(args, PrefixDPOConfig):
             raise TypeError("args must be a PrefixDPOConfig")
-        if isinstance(model, str):
-            from prefixdpo.models import load_causal_lm, load_tokenizer
-
-            processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
-            model = load_causal_lm(model, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-        if model is None:
-            raise UserError("PrefixDPOTrainer needs a model (a model object or a name/path)")
-        model = self._wrap_peft(model, peft_config, args)
-        if args.disable_dropout:
-            _disable_dropout(model)
         self.backend = resolve_backend(args.attention, args.device, needs_grad=True)  # once, for every pass
-        prepare_model(model, self.backend)
+        model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
+                                                 tokenizer=processing_class)
 
         self._data_options = data_options or default_data_options(args)
         self.data_reports: dict = {}
@@ -95,16 +80,9 @@ class PrefixDPOTrainer(Trainer):
                          optimizers=optimizers)
         self.add_callback(PrefixDPOCallback(self))
 
-        if isinstance(ref_model, str):
-            from prefixdpo.models import load_causal_lm
-
-            ref_model = load_causal_lm(ref_model, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-        if ref_model is not None:
-            prepare_model(ref_model, self.backend)
-            if args.disable_dropout:
-                _disable_dropout(ref_model)
-            if not args.precompute_ref_log_probs:
-                ref_model.to(self.accelerator.device)
+        ref_model = prepare_reference(ref_model, args, backend=self.backend)
+        if ref_model is not None and not args.precompute_ref_log_probs:
+            ref_model.to(self.accelerator.device)
         self.reference = choose_reference(
             needs_reference=args.needs_reference, precompute=args.precompute_ref_log_probs, ref_model=ref_model,
             policy=self.model, chunk_size=args.logprob_chunk_size, backend=self.backend,
@@ -123,18 +101,6 @@ class PrefixDPOTrainer(Trainer):
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
-
-    @staticmethod
-    def _wrap_peft(model, peft_config, args):
-        if peft_config is None:
-            return model
-        if is_peft_model(model):
-            raise UserError("model is already a PEFT model; do not pass peft_config as well")
-        from peft import get_peft_model
-
-        if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
-        return get_peft_model(model, peft_config)
 
     @property
     def reference_mode(self) -> str:
@@ -204,14 +170,10 @@ class PrefixDPOTrainer(Trainer):
         return samples, None
 
     def _prepass(self, item):
-        """No-grad per-pair log-probs of one micro-batch (for the step context); caches its reference sums."""
-        from prefixdpo.step import pair_logps
-
-        batch = item["batch"].to(self.args.device)
+        """No-grad per-pair log-probs of one micro-batch, for the step context."""
         with torch.no_grad():
-            pairs = pair_logps(self.model, batch, reference=self.reference, backend=self.backend,
-                               chunk_size=self.args.logprob_chunk_size, item=item)
-        return pairs
+            return pair_logps(self.model, item["batch"].to(self.args.device), reference=self.reference,
+                              backend=self.backend, chunk_size=self.args.logprob_chunk_size, item=item)
 
     # ---- loss -------------------------------------------------------------------------------
 
@@ -254,6 +216,7 @@ class PrefixDPOTrainer(Trainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         # Trainer's loop concatenates logits and labels per batch; ours weighs every pair equally instead.
+        # `_wrap_model` (private) is how Trainer's own loop gets the DDP/FSDP-wrapped model for inference.
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         was_training = model.training
         model.eval()
@@ -297,7 +260,5 @@ class PrefixDPOTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        from prefixdpo.forward import restore_stock_attention
-
         if self.args.should_save:
             restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)

@@ -1,0 +1,57 @@
+"""The policy and reference made ready for prefixdpo training: loaded if named, wrapped with PEFT, dropout
+off (as TRL's `disable_dropout`), and switched to prefixdpo's attention (`forward.prepare_model`)."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixdpo.errors import UserError
+from prefixdpo.forward import prepare_model
+from prefixdpo.reference import is_peft_model
+
+
+def disable_dropout(model) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _load(name: str, args):
+    from prefixdpo.models import load_causal_lm
+
+    return load_causal_lm(name, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+
+
+def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=None):
+    """(model, tokenizer) ready to train; `model` may be a name/path (its tokenizer is loaded too)."""
+    if isinstance(model, str):
+        from prefixdpo.models import load_tokenizer
+
+        tokenizer = tokenizer or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
+        model = _load(model, args)
+    if model is None:
+        raise UserError("PrefixDPOTrainer needs a model (a model object or a name/path)")
+    if peft_config is not None:
+        if is_peft_model(model):
+            raise UserError("model is already a PEFT model; do not pass peft_config as well")
+        from peft import get_peft_model
+
+        if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+        model = get_peft_model(model, peft_config)
+    if args.disable_dropout:
+        disable_dropout(model)
+    prepare_model(model, backend)
+    return model, tokenizer
+
+
+def prepare_reference(ref_model, args, *, backend: str):
+    """A separate reference model (or name/path) ready for no-grad passes with the policy's mask; None stays None."""
+    if ref_model is None:
+        return None
+    if isinstance(ref_model, str):
+        ref_model = _load(ref_model, args)
+    prepare_model(ref_model, backend)
+    if args.disable_dropout:
+        disable_dropout(ref_model)
+    return ref_model
