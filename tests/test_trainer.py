@@ -123,7 +123,7 @@ def test_reference_modes(tmp_path, monkeypatch):
     examples = make_examples(12)
     # default reference = frozen copy of the start; an explicit copy gives the same run
     t_copy, logs_copy = train(config(tmp_path), examples)
-    assert t_copy.reference_mode == "model"
+    assert t_copy.reference.name == "model"
     t_ref, logs_ref = train(config(tmp_path), examples, ref_model=tiny_model("llama"))
     assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
 
@@ -134,11 +134,11 @@ def test_reference_modes(tmp_path, monkeypatch):
     real = reference.compute_table
     monkeypatch.setattr(reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     t_pre, logs_pre = train(config(tmp_path, precompute_ref_log_probs=True), examples)
-    assert t_pre.reference_mode == "precomputed" and t_pre.ref_model is None
-    assert calls == [1] and t_pre.ref_cache_hits == {"train": False}
+    assert t_pre.reference.name == "precomputed" and t_pre.ref_model is None
+    assert calls == [1] and t_pre.reference.cache_hits == {"train": False}
     assert_same_run(logs_pre, logs_copy, weights(t_pre), weights(t_copy))
     t_again, logs_again = train(config(tmp_path, precompute_ref_log_probs=True), examples)
-    assert calls == [1] and t_again.ref_cache_hits == {"train": True}  # no reference forward at all
+    assert calls == [1] and t_again.reference.cache_hits == {"train": True}  # no reference forward at all
     assert_same_run(logs_again, logs_pre, weights(t_again), weights(t_pre), weight_atol=0.0)
     # other data -> another key -> computed again
     train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples[:8])
@@ -146,7 +146,7 @@ def test_reference_modes(tmp_path, monkeypatch):
 
     # reference-free loss: no reference loaded or run
     t_free, logs_free = train(config(tmp_path, loss_type=["simpo"]), examples)
-    assert t_free.reference_mode == "none" and t_free.ref_model is None
+    assert t_free.reference.name == "none" and t_free.ref_model is None
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs_free)
 
 
@@ -156,7 +156,7 @@ def test_lora_adapter_reference_and_precompute(tmp_path):
     examples = make_examples(12)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     t_lora, logs_lora = train(config(tmp_path, learning_rate=1.0), examples, peft_config=lora)
-    assert t_lora.reference_mode == "adapter" and t_lora.ref_model is None
+    assert t_lora.reference.name == "adapter" and t_lora.ref_model is None
     # adapter starts as identity: first-step rewards are exactly zero (reference = adapter off)
     assert logs_lora[0]["rewards/chosen"] == 0.0 and logs_lora[0]["loss"] == pytest.approx(0.6931472, rel=1e-6)
     base_before = tiny_model("llama").state_dict()
@@ -170,7 +170,7 @@ def test_lora_adapter_reference_and_precompute(tmp_path):
 
     t_pre, logs_pre = train(config(tmp_path, learning_rate=1.0, precompute_ref_log_probs=True), examples,
                             peft_config=lora)
-    assert t_pre.reference_mode == "precomputed"
+    assert t_pre.reference.name == "precomputed"
     assert_same_run(logs_pre, logs_lora)
 
     t_lora.save_model(str(tmp_path / "adapter"))
@@ -313,7 +313,7 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
     assert abs(a["eval_rewards/chosen"]) > 1e-2  # the policy moved away from its reference
     for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_logps/chosen"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
-    assert pre.ref_cache_hits["eval"] is False  # a new table, computed after training
+    assert pre.reference.cache_hits["eval"] is False  # a new table, computed after training
 
 
 def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):

@@ -96,25 +96,20 @@ class PrefixDPOTrainer(Trainer):
         self._pairs_trained = 0.0
         self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
         self._train_micro: MicroBatches | None = None
-        if isinstance(self.reference, PrecomputedReference):  # before training, as TRL does
-            self._precompute_tables()
+        if isinstance(self.reference, PrecomputedReference):  # every table before training, as TRL does
+            evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
+            named = [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
+            for name, examples in named:
+                if examples is not None:
+                    self.reference.table_for(examples, self.model, name)
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
 
     @property
-    def reference_mode(self) -> str:
-        """'model', 'adapter', 'precomputed' or 'none'."""
-        return self.reference.name
-
-    @property
     def ref_model(self):
-        """The separate reference model on the device, if one runs every step (None otherwise)."""
+        """The separate reference model run every step, as TRL's attribute (None for other strategies)."""
         return getattr(self.reference, "model", None)
-
-    @property
-    def ref_cache_hits(self) -> dict[str, bool]:
-        return getattr(self.reference, "cache_hits", {})
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -128,21 +123,10 @@ class PrefixDPOTrainer(Trainer):
                                backend=self.backend)
 
     def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
-        table = None
-        if isinstance(self.reference, PrecomputedReference):
-            table = self.reference.table_for(examples, self.model, name)
+        precomputed = isinstance(self.reference, PrecomputedReference)
         return MicroBatches(examples, self._loader_settings(train=train), rank=self.args.process_index,
-                            world_size=self.args.world_size, ref_table=table)
-
-    def _precompute_tables(self) -> None:
-        named = [("train", self.train_dataset)]
-        if isinstance(self.eval_dataset, Mapping):
-            named += [(f"eval_{k}", v) for k, v in self.eval_dataset.items()]
-        else:
-            named.append(("eval", self.eval_dataset))
-        for name, examples in named:
-            if examples is not None:
-                self.reference.table_for(examples, self.model, name)
+                            world_size=self.args.world_size,
+                            ref_table=self.reference.table_for(examples, self.model, name) if precomputed else None)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
