@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent(
     def args(name, **kw):
         base = dict(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.5, optim="sgd",
                     lr_scheduler_type="constant", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-                    beta=0.5, report_to="none", ddp_backend="gloo" if world > 1 else None)
+                    beta=0.5, report_to="none", ddp_backend="gloo" if world > 1 else None,
+                    gradient_checkpointing=False)
         base.update(kw)
         return PrefixDPOConfig(**base)
 

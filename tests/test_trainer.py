@@ -32,6 +32,7 @@ def config(tmp_path, **kw) -> PrefixDPOConfig:
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, logging_steps=1,
         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
         disable_tqdm=True, seed=0, beta=0.5, ref_cache_dir=str(tmp_path / "cache"), report_to="none",
+        gradient_checkpointing=False,  # TRL's default is on; these runs are tiny and checkpointing is tested apart
     )
     base.update(kw)
     return PrefixDPOConfig(**base)

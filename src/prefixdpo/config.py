@@ -1,8 +1,11 @@
-"""`PrefixDPOConfig`: training options, named like TRL's `DPOConfig` wherever the meaning is the same.
+"""`PrefixDPOConfig`: training options; every field of TRL 1.16's `DPOConfig` with its name, type, default
+and meaning (tests/test_trl_config.py walks TRL's fields and lists the few justified exceptions).
 
 It extends `transformers.TrainingArguments`, so every Trainer option (learning rate, schedules,
-gradient accumulation, bf16, checkpointing, `report_to`, DDP/FSDP/DeepSpeed) works unchanged. The
-prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
+gradient accumulation, bf16, checkpointing, `report_to`, DDP/FSDP/DeepSpeed) works unchanged, with
+TRL's DPO defaults where TRL changes them (learning_rate 1e-6, logging_steps 10, gradient checkpointing
+on, bf16 where the device has it). TRL options that prefix sharing makes moot (`padding_free`) are
+accepted and say so in their help. The prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
 `logprob_chunk_size`, `ref_cache_dir`.
 
 `parse_train_args(["config.yaml", "--beta", "0.05"])` reads a YAML file and applies command-line
@@ -15,7 +18,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 from transformers import TrainingArguments
 from trl import TrlParser
@@ -32,19 +35,91 @@ ATTENTION_CHOICES = BACKENDS
 class PrefixDPOConfig(TrainingArguments):
     """Options of `PrefixDPOTrainer` (TRL `DPOConfig` names + prefix-sharing options + TrainingArguments)."""
 
-    # ---- TrainingArguments defaults changed for preference training on small machines ----
-    output_dir: str | None = field(default="prefixdpo-output", metadata={"help": "Where checkpoints and the model go."})
+    # ---- TrainingArguments defaults that TRL's DPOConfig changes (TRL's defaults) ----
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False: batches are not model kwargs."})
-    report_to: None | str | list[str] = field(
-        default="none", metadata={"help": "Integrations to report to (tensorboard, wandb, trackio, ...; 'none')."}
+    logging_steps: float = field(
+        default=10, metadata={"help": "Log every N optimizer steps (a float < 1: that fraction of all steps)."}
+    )
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Recompute activations in the backward pass to save memory (TRL's default: on; ~20%% slower). "
+                          "Same as activation_checkpointing, which wins where both are set."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Not set (TRL's default): on where the device supports bf16 and fp16 "
+                          "is off, so on CUDA (Ampere+) / XPU / NPU / TPU; off on CPU (fp32)."},
+    )
+    # ---- TrainingArguments fields whose default is TRL's but whose effect here differs ----
+    remove_unused_columns: bool = field(
+        default=True,
+        metadata={"help": "Accepted, no effect: records' prompt/chosen/rejected (or completions) fields are read and "
+                          "any other column is ignored; batches are built by prefixdpo, not by Trainer."},
     )
     # Our head path runs outside the DDP-wrapped forward; a search for unused parameters would mark the
     # LM head unused and then see its gradient arrive twice. Every parameter is used in every step.
-    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "See DDP; keep False."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=None,
+        metadata={"help": "DDP's find_unused_parameters. Not set: False (every parameter is used in every step)."},
+    )
+    # ---- ours ----
+    output_dir: str | None = field(default="prefixdpo-output", metadata={"help": "Where checkpoints and the model go."})
+    report_to: None | str | list[str] = field(
+        default="none", metadata={"help": "Integrations to report to (tensorboard, wandb, trackio, ...; 'none')."}
+    )
 
     # ---- TRL DPOConfig names ----
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for AutoModelForCausalLM.from_pretrained when the model is given by name "
+                          "or path (as TRL): dtype 'float32' (default) / 'bfloat16' / 'float16' / 'auto', "
+                          "attn_implementation, revision, ... A JSON object on the command line."},
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the Mixture-of-Experts load-balancing loss added to the training loss; not set: "
+                          "the model config's own value; 0.0: off. Refused for a model that is not MoE."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "TRL's processes for dataset.map. Accepted, no effect: prefixdpo tokenizes records in "
+                          "batched tokenizer calls in one process (fast tokenizers use their own threads)."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "TRL: flatten the batch into one sequence without padding. Accepted, no effect: prefix-shared "
+                          "rows never pad inside a line; --packing is prefixdpo's padding-free layout (several "
+                          "examples per line, each attending only to itself)."},
+    )
+    use_weighting: bool = field(
+        default=False,
+        metadata={"help": "WPO (https://huggingface.co/papers/2406.11827): weight each pair by the policy's "
+                          "length-normalised sequence probabilities, as TRL."},
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={"help": "LD-DPO alpha in [0, 1]: log-prob tokens of the longer response beyond the shorter one's "
+                          "length are weighted by alpha (1.0: plain DPO; 0.0: masked). Not set: no weighting."},
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Offload activations to CPU memory during the forward (CUDA only), as TRL."}
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={"help": "TR-DPO (https://huggingface.co/papers/2404.09656): every ref_model_sync_steps steps set "
+                          "ref = alpha * policy + (1 - alpha) * ref. Not with precompute_ref_log_probs."},
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "TR-DPO alpha: weight of the policy in the reference update (sync_ref_model)."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "TR-DPO tau: optimizer steps between reference updates (sync_ref_model)."}
+    )
+    pad_token: str | None = field(
+        default=None,
+        metadata={"help": "Deprecated in TRL (set tokenizer.pad_token). Accepted, no effect: padding is masked out "
+                          "and never a target, so the pad token cannot change a result."},
+    )
     beta: float = field(default=0.1, metadata={"help": "DPO beta (IPO's tau, SimPO's beta)."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -73,7 +148,11 @@ class PrefixDPOConfig(TrainingArguments):
         default=False, metadata={"help": "Compute reference log-probs once before training, cached on disk."}
     )
     precompute_ref_batch_size: int | None = field(default=None, metadata={"help": "Examples per precompute batch."})
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad unpacked lines to a multiple of this."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": "Pad unpacked lines to a multiple of this; 'auto' (TRL's default): 128 on Neuron (one "
+                          "compilation per shape), no padding elsewhere."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with custom code (off unless asked)."})
 
@@ -87,11 +166,38 @@ class PrefixDPOConfig(TrainingArguments):
         default=None, metadata={"help": "Cache of precomputed reference log-probs (default ~/.cache/prefixdpo/ref_logps)."}
     )
 
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]  # JSON text -> dict
+
     def __post_init__(self) -> None:
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         self.loss_type = list(self.loss_type)
+        if self.bf16 is None:
+            # TRL resolves it to `not fp16`, which TrainingArguments then refuses on a machine without bf16
+            # (a CPU unless use_cpu): here it is on only where the device has bf16, so a CPU run is fp32.
+            self.bf16 = not self.fp16 and _device_has_bf16(self.use_cpu)
+        # gradient_checkpointing* are TRL's names; transformers calls them deprecated aliases of
+        # activation_checkpointing* and warns on every config unless the new names are set.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing
+        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = False  # see the field: Trainer's None would search when not checkpointing
         super().__post_init__()
+        self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of, self.use_cpu)
+        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
+            raise ConfigError(f"model_init_kwargs={self.model_init_kwargs!r}: expected a JSON object, e.g. "
+                              '\'{"dtype": "bfloat16"}\'')
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ConfigError(f"ld_alpha={self.ld_alpha}: must be in [0, 1]")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha}: must be in [0, 1]")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ConfigError("sync_ref_model updates the reference during training, but precompute_ref_log_probs "
+                              "fixes its log-probs before training: use one of them")
         if not self.activation_checkpointing_kwargs:
             # Non-reentrant checkpointing works with frozen inputs (LoRA) and with our custom mask.
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
@@ -151,6 +257,8 @@ class PrefixDPOConfig(TrainingArguments):
             discopop_tau=self.discopop_tau,
             f_divergence_type=self.f_divergence_type,
             f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+            use_weighting=self.use_weighting,
+            ld_alpha=self.ld_alpha,
         )
 
     def resolved_ref_cache_dir(self) -> str:
@@ -158,6 +266,31 @@ class PrefixDPOConfig(TrainingArguments):
             return self.ref_cache_dir
         base = os.environ.get("PREFIXDPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "prefixdpo")
         return os.path.join(base, "ref_logps")
+
+
+def _device_has_bf16(use_cpu: bool) -> bool:
+    """Whether the training device computes in bf16 natively (never the CPU: ATen emulates it there, slowly)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return not use_cpu and (is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def _pad_multiple(value: int | str | None, use_cpu: bool) -> int | None:
+    """pad_to_multiple_of as TRL resolves it: 'auto' is 128 on Neuron (it compiles once per shape), else None."""
+    if value == "auto":
+        from transformers.utils import is_torch_neuron_available
+
+        return 128 if not use_cpu and is_torch_neuron_available() else None
+    if isinstance(value, str):  # the command line gives text
+        if value.lower() in ("none", "null"):
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"pad_to_multiple_of={value!r}: expected a positive integer, 'auto' or none") from None
+    if value is not None and value < 1:
+        raise ConfigError(f"pad_to_multiple_of={value}: must be >= 1")
+    return value
 
 
 @dataclass
