@@ -8,6 +8,7 @@ to one position per line; that position doubles as a check that our head path eq
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -135,12 +136,103 @@ def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tens
     return captured[0], (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
 
 
+def resolve_router_aux_loss_coef(model, coef: float | None) -> float:
+    """TRL 1.16's MoE load-balancing coefficient: `coef`, or the model's own `router_aux_loss_coef` when
+    None (0.0 if it declares none); 0.0 for a model that returns no router logits. A coefficient set
+    for such a model is refused, as TRL refuses it."""
+    hf = unwrap(model)
+    cfg = _text_config(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
+    moe = hasattr(cfg, "output_router_logits")
+    if coef and not moe:
+        raise UnsupportedModelError(
+            f"router_aux_loss_coef is set to {coef} but {type(hf).__name__} is not a Mixture-of-Experts model "
+            "that returns its router logits, so there is no auxiliary loss to weight"
+        )
+    if not moe:
+        return 0.0
+    return float(getattr(cfg, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+@contextlib.contextmanager
+def recording_router_logits(model):
+    """Collect each MoE layer's router logits `[tokens, experts]` during a forward, into the yielded list.
+
+    Hooks on the router modules transformers itself records `router_logits` from (the decoder's
+    `_can_record_outputs`): asking the model for `output_router_logits` instead would make it compute its
+    aux loss with our 4D attention mask, which `load_balancing_loss_func` reads as a `[B, L]` padding mask.
+    """
+    hf = unwrap(model)
+    decoder = hf.get_decoder()
+    recorder = (getattr(decoder, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    index = getattr(recorder, "index", 0)
+    if not isinstance(target, type):
+        raise UnsupportedModelError(f"{type(hf).__name__} does not expose its MoE router logits to transformers")
+    captured: list[torch.Tensor] = []
+
+    def grab(_module, _inputs, output):
+        captured.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    handles = [m.register_forward_hook(grab) for m in decoder.modules() if isinstance(m, target)]
+    if not handles:
+        raise UnsupportedModelError(f"{type(hf).__name__} has no {target.__name__} router modules")
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def trl_token_multiplicity(batch: Batch) -> torch.Tensor:
+    """How many times TRL 1.16's paired rows hold each token of `batch`. -> [B, L] fp32 (0 = padding).
+
+    TRL runs each pair as `[prompt][better]` and `[prompt][worse]`: a prompt token counts twice per pair
+    of its example, a response token once per pair it is in. With these weights, the load-balancing loss
+    of a prefix-shared row equals TRL's on its padded rows: a prompt's router logits are the same in
+    both of TRL's rows (causal), and each response's are those of its separate sequence (the mask rule).
+    Every response has at least one token (the layout refuses empty responses).
+    """
+    B, L = batch.input_ids.shape
+    R, device = batch.num_responses, batch.input_ids.device
+    docs = int(batch.doc_ids.max()) + 1 if batch.doc_ids.numel() else 1
+    T = batch.target_response.numel()
+    first = torch.full((R,), T, dtype=torch.long, device=device).scatter_reduce(
+        0, batch.target_response, torch.arange(T, device=device), reduce="amin")  # first target of each response
+    line = batch.target_line[first]
+    example = line * docs + batch.doc_ids[line, batch.target_col[first]]  # [R]: (line, document) of each response
+    first_response = torch.full((B * docs,), R, dtype=torch.long, device=device).scatter_reduce(
+        0, example, torch.arange(R, device=device), reduce="amin")
+    branch = torch.arange(R, device=device) - first_response[example] + 1  # responses are numbered in order
+    in_pairs = torch.bincount(torch.cat([batch.pair_better, batch.pair_worse]), minlength=R).float()
+    pairs_of_example = torch.bincount(example[batch.pair_better], minlength=B * docs).float()
+    table = torch.zeros(B * docs, int(batch.branch_ids.max()) + 1, device=device)
+    table[:, 0] = 2 * pairs_of_example
+    table[example, branch] = in_pairs
+    real = batch.doc_ids >= 0
+    rows = torch.arange(B, device=device)[:, None] * docs + batch.doc_ids.clamp(min=0)
+    return torch.where(real, table[rows, batch.branch_ids.clamp(min=0)], 0.0)
+
+
+def router_aux_loss(model, router_logits: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+    """TRL 1.16's MoE load-balancing loss (transformers' Mixtral `load_balancing_loss_func`, which TRL
+    uses for every MoE family) over the tokens of TRL's padded rows of `batch`'s pairs. -> scalar."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf = unwrap(model)
+    cfg = _text_config(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
+    return load_balancing_loss_func(tuple(router_logits), cfg.num_experts, cfg.num_experts_per_tok,
+                                    trl_token_multiplicity(batch))
+
+
 def compute_response_logps(
-    model, batch: Batch, *, backend: str = "auto", chunk_size: int = 1024, attention_mask=None
+    model, batch: Batch, *, backend: str = "auto", chunk_size: int = 1024, attention_mask=None,
+    wpo: bool = False, router_aux: bool = False,
 ) -> ResponseLogps:
     """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
 
     attention_mask: a prebuilt mask for this batch (shared by policy and reference passes), else built here.
+    wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
+    router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
     """
     device = batch.input_ids.device
     backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
@@ -154,9 +246,13 @@ def compute_response_logps(
         )
     if attention_mask is None:
         attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-    hidden, model_last_logits = final_hidden_states(model, batch, attention_mask)
+    with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
+        hidden, model_last_logits = final_hidden_states(model, batch, attention_mask)
     head = lm_head_fn(hf)
     if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
         check_head(head, hidden[:, -1], model_last_logits)
         hf._prefixdpo_head_checked = True
-    return response_logps(hidden, batch, head, chunk_size)
+    result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
+    if router_aux:
+        result.aux_loss = router_aux_loss(model, router_logits, batch)
+    return result

@@ -90,8 +90,10 @@ __all__ = [
 class PairLogps:
     """Per-pair log-prob statistics of the pairs one call computes losses for; every tensor is ``[P]``.
 
-    ``policy_*``: summed log-probs of each response's tokens; ``ref_*``: the same under the reference
-    model (``None`` for reference-free losses); ``*_lengths``: response token counts.
+    ``policy_*``: summed log-probs of each response's tokens (LD-DPO's length-desensitised sums when
+    ``ld_alpha`` is set); ``ref_*``: the same under the reference model (``None`` for reference-free
+    losses); ``*_lengths``: response token counts; ``wpo_weights``: WPO's per-pair weight
+    ``w_chosen * w_rejected`` (detached; only with ``use_weighting``).
     """
 
     policy_chosen_logps: Tensor
@@ -100,6 +102,7 @@ class PairLogps:
     ref_rejected_logps: Tensor | None = None
     chosen_lengths: Tensor | None = None
     rejected_lengths: Tensor | None = None
+    wpo_weights: Tensor | None = None
 
     @property
     def has_reference(self) -> bool:
@@ -121,6 +124,11 @@ class LossParams:
     - ``orpo_alpha``: ORPO's lambda weighting the odds-ratio term (TRL ``ORPOConfig.beta``).
     - ``discopop_tau``: DiscoPOP's temperature tau.
     - ``f_divergence_type`` / ``f_alpha_divergence_coef``: f-DPO score transform (TRL's names).
+    - ``use_weighting``: WPO (https://arxiv.org/abs/2406.11827): every loss of a pair multiplied by
+      ``w_chosen * w_rejected``, ``w = exp(mean over the response's tokens of log p(y_t) - log sum_v p(v)^2)``
+      under the policy, without gradient (TRL's ``use_weighting``; the inputs carry ``wpo_weights``).
+    - ``ld_alpha``: LD-DPO's weight of the tokens past the shorter response's length, applied to policy
+      and reference log-prob sums where they are computed (``prefixdpo.step.pair_logps``); ``None``: off.
     """
 
     beta: float = 0.1
@@ -130,6 +138,8 @@ class LossParams:
     discopop_tau: float = 0.05
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
+    use_weighting: bool = False
+    ld_alpha: float | None = None
 
 
 @dataclass
@@ -300,6 +310,10 @@ _NEEDS_LENGTHS = {
 # Coupled losses and what of the step they need.
 _TOKEN_MEAN = frozenset({"sft", "orpo"})
 _SORTED = frozenset({"aot", "aot_unpaired"})
+# WPO's weights are per pair: TRL refuses them for the sorted losses (a sort misaligns pairs and
+# weights); its sft (a scalar expanded over the pairs) fails on the in-place weighting, so TRL
+# gives sft with use_weighting no meaning to reproduce.
+_NO_WEIGHTING = _SORTED | {"sft"}
 
 
 def canonical_loss_types(loss_types: Iterable[str] | str) -> list[str]:
@@ -404,6 +418,11 @@ def _check(name: str, inputs: PairLogps, params: LossParams) -> None:
     for attr in _NEEDS_LENGTHS.get(name, ()):
         if getattr(inputs, attr) is None:
             raise ValueError(f"loss {name!r} needs {attr} (response token counts)")
+    if params.use_weighting:
+        if name in _NO_WEIGHTING:
+            raise LossConfigError(f"use_weighting (WPO) is not defined for loss {name!r}, as in TRL 1.16")
+        if inputs.wpo_weights is None:
+            raise ValueError("use_weighting needs wpo_weights (pair_logps(..., params) computes them)")
     if params.f_divergence_type != "reverse_kl":
         if params.f_divergence_type not in F_DIVERGENCES:
             raise LossConfigError(
@@ -436,7 +455,7 @@ def combined_loss(
 
     Returns:
         ``(losses [P], {name: [P]})``: the weighted per-pair total, and each loss's per-pair values
-        before its weight. Summed over all the step's pairs and divided by ``P_step``, it equals
+        before its weight (after WPO's pair weight when ``params.use_weighting``, as TRL applies it). Summed over all the step's pairs and divided by ``P_step``, it equals
         TRL 1.16's loss on one batch of those pairs, in value and gradients. For the sorted AOT
         losses an entry is pair i's share of the sorted sum, not a loss of pair i alone.
     """
@@ -475,6 +494,8 @@ def combined_loss(
     per_type: dict[str, Tensor] = {}
     for name, weight in zip(names, loss_weights):
         loss = LOSSES[name](inputs, params, context)
+        if params.use_weighting:
+            loss = loss * inputs.wpo_weights
         per_type[name] = loss
         total = total + weight * loss
     return total, per_type

@@ -5,6 +5,10 @@ benchmarked is what trains.
     batch --mask--> policy log-prob sums [R] (grad follows torch.is_grad_enabled())
           --reference strategy--> reference sums [R] (no grad; None for reference-free losses)
           --pairs (better, worse)--> PairLogps [P] --objective--> losses [P]
+
+TRL's options on this path: `ld_alpha` (LD-DPO) re-weights each pair's log-probs from the per-token
+log-probs of both passes; `use_weighting` (WPO) takes its weights from the policy's head pass; a MoE
+policy's load-balancing loss comes back as `PairStep.aux_loss` for the trainer to add.
 """
 
 from __future__ import annotations
@@ -16,25 +20,31 @@ import torch
 from prefixdpo.attention.backends import build_attention_mask
 from prefixdpo.data.batch import Batch
 from prefixdpo.forward import compute_response_logps
-from prefixdpo.objective import LossParams, PairLogps, combined_loss
+from prefixdpo.logprobs import ResponseLogps, ld_pair_logps
+from prefixdpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
 from prefixdpo.metrics import pair_metric_sums
+from prefixdpo.reference import _as_reference
 
 
 @dataclass(frozen=True)
 class Objective:
-    """What the losses are: TRL's `loss_type` list, its weights and the shared hyper-parameters."""
+    """What the losses are: TRL's `loss_type` list, its weights, the shared hyper-parameters, and the MoE
+    load-balancing coefficient (`forward.resolve_router_aux_loss_coef`; 0.0: no aux loss computed)."""
 
     loss_types: tuple[str, ...] = ("sigmoid",)
     loss_weights: tuple[float, ...] = (1.0,)
     params: LossParams = field(default_factory=LossParams)
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass
 class PairStep:
-    """The result of one micro-batch. losses: [P]; pairs: the per-pair log-probs they were computed from."""
+    """The result of one micro-batch. losses: [P]; pairs: the per-pair log-probs they were computed from;
+    aux_loss: the policy's MoE load-balancing loss of this micro-batch (scalar, unweighted), or None."""
 
     losses: torch.Tensor
     pairs: PairLogps
+    aux_loss: torch.Tensor | None = None
 
     def metric_sums(self, beta: float) -> dict[str, float]:
         p = self.pairs
@@ -42,26 +52,80 @@ class PairStep:
                                 p.ref_rejected_logps, p.chosen_lengths, p.rejected_lengths, beta)
 
 
-def pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int = 1024, item=None) -> PairLogps:
+def pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int = 1024, item=None,
+               params: LossParams | None = None) -> PairLogps:
     """Per-pair log-prob sums [P] of `batch` under the policy and the reference.
 
     One attention mask serves both passes. `item["ref_logps"]` [R], when present (a precomputed table, or a
-    pre-pass of this step), is used instead of running the reference again.
+    pre-pass of this step), is used instead of running the reference again. `params.ld_alpha` and
+    `params.use_weighting` change the sums / add WPO's weights as TRL 1.16 does (defaults: neither).
     """
+    return _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size, item=item,
+                       params=params)[0]
+
+
+def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int, item, params: LossParams | None,
+                router_aux: bool = False) -> tuple[PairLogps, torch.Tensor | None]:
+    """`pair_logps`, and the policy's MoE load-balancing loss when `router_aux` (else None)."""
+    params = params or LossParams()
+    ld_alpha = params.ld_alpha
     mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-    policy_logps = compute_response_logps(policy, batch, backend=backend, chunk_size=chunk_size, attention_mask=mask)
-    if item is not None and "ref_logps" in item:
-        ref = item["ref_logps"].to(batch.input_ids.device)
-    else:
-        ref = reference.logps(policy, batch, mask, item)
-    sums, lengths = policy_logps.sums, policy_logps.counts.to(policy_logps.sums.dtype)
+    policy_logps = compute_response_logps(policy, batch, backend=backend, chunk_size=chunk_size, attention_mask=mask,
+                                          wpo=params.use_weighting, router_aux=router_aux)
     b, w = batch.pair_better, batch.pair_worse
-    return PairLogps(
-        policy_chosen_logps=sums[b], policy_rejected_logps=sums[w],
-        ref_chosen_logps=None if ref is None else ref[b].to(sums.dtype),
-        ref_rejected_logps=None if ref is None else ref[w].to(sums.dtype),
-        chosen_lengths=lengths[b], rejected_lengths=lengths[w],
+    if ld_alpha is None:
+        if item is not None and "ref_logps" in item:
+            ref = item["ref_logps"].to(batch.input_ids.device)
+        else:
+            ref = reference.logps(policy, batch, mask, item)
+        chosen, rejected = policy_logps.sums[b], policy_logps.sums[w]
+        ref_chosen = ref_rejected = None
+        if ref is not None:
+            ref_chosen, ref_rejected = ref[b].to(chosen.dtype), ref[w].to(chosen.dtype)
+    else:
+        chosen, rejected = _ld(policy_logps, batch, ld_alpha)
+        ref_chosen = ref_rejected = None
+        ref_logps = _reference_token_logps(reference, policy, batch, mask, item, backend, chunk_size)
+        if ref_logps is not None:
+            ref_chosen, ref_rejected = (x.to(chosen.dtype) for x in _ld(ref_logps, batch, ld_alpha))
+    lengths = policy_logps.counts.to(policy_logps.sums.dtype)
+    weights = None
+    if params.use_weighting:
+        # TRL: w = exp(mean aligned log-prob over the response's tokens, at least one token)
+        response_weights = torch.exp(policy_logps.wpo_sums / lengths.clamp(min=1))
+        weights = response_weights[b] * response_weights[w]
+    pairs = PairLogps(
+        policy_chosen_logps=chosen, policy_rejected_logps=rejected,
+        ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+        chosen_lengths=lengths[b], rejected_lengths=lengths[w], wpo_weights=weights,
     )
+    return pairs, policy_logps.aux_loss
+
+
+def _ld(logps: ResponseLogps, batch: Batch, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return ld_pair_logps(logps.per_token, batch.target_response, logps.counts, batch.pair_better, batch.pair_worse,
+                         alpha)
+
+
+def _reference_token_logps(reference, policy, batch: Batch, mask, item, backend: str,
+                           chunk_size: int) -> ResponseLogps | None:
+    """The reference's per-token log-probs for LD-DPO's split (no grad), or None without a reference.
+
+    The reference strategies answer per-response sums only; LD-DPO needs the tokens, so the model and
+    adapter references are run here the way their `logps` runs them.
+    """
+    if reference.name == "none":
+        return None
+    if reference.name not in ("model", "adapter") or (item is not None and "ref_logps" in item):
+        raise LossConfigError(
+            "ld_alpha needs the reference's per-token log-probs, but precomputed reference tables hold "
+            "per-response sums: set precompute_ref_log_probs=False to use ld_alpha"
+        )
+    adapter_off = reference.name == "adapter"
+    model = policy if adapter_off else reference.model
+    with _as_reference(model, adapter_off):
+        return compute_response_logps(model, batch, backend=reference.backend, chunk_size=reference.chunk_size,
+                                      attention_mask=mask)
 
 
 def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backend: str, chunk_size: int = 1024,
@@ -72,9 +136,11 @@ def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backen
              `prefixdpo.objective`), restricted to this micro-batch's pairs; or a function building it from
              this batch's PairLogps (evaluation); None when the batch is the whole step (the benchmark).
     """
-    pairs = pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size, item=item)
+    pairs, aux_loss = _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size,
+                                  item=item, params=objective.params,
+                                  router_aux=objective.router_aux_loss_coef != 0.0)
     if callable(context):
         context = context(pairs)
     losses, _ = combined_loss(list(objective.loss_types), list(objective.loss_weights), pairs, objective.params,
                               context=context)
-    return PairStep(losses=losses, pairs=pairs)
+    return PairStep(losses=losses, pairs=pairs, aux_loss=aux_loss)
