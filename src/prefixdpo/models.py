@@ -27,6 +27,16 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", bf16: bool = False) -> str 
     return DTYPES[dtype]
 
 
+def init_kwargs_dtype(value) -> str | torch.dtype | None:
+    """`model_init_kwargs["dtype"]` by TRL 1.16's rule: a `torch.dtype`, "auto" or None as given; "float32" /
+    "bfloat16" / "float16" as the torch dtype; anything else is a `ConfigError`."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raise ConfigError(f"model_init_kwargs dtype={value!r}: expected auto, {', '.join(DTYPES)} or a torch.dtype")
+
+
 def load_causal_lm(
     name_or_path,
     *,
@@ -35,6 +45,7 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     load_in_4bit: bool = False,
     attn_implementation: str | None = None,
+    model_init_kwargs: dict | None = None,
 ):
     """An `AutoModelForCausalLM` from a hub name or local path, or randomly initialised from a config.
 
@@ -46,6 +57,9 @@ def load_causal_lm(
     load_in_4bit: QLoRA's NF4 weights with bfloat16 compute (CUDA + bitsandbytes only).
     attn_implementation: passed to transformers (None = its default; prefixdpo's own attention is set
         later by `prefixdpo.forward.prepare_model`).
+    model_init_kwargs: TRL's `DPOConfig.model_init_kwargs`, more keyword arguments for `from_pretrained`
+        (a checkpoint only); they win over the arguments above, with `dtype` strings read as TRL reads them
+        (`init_kwargs_dtype`) and `trust_remote_code` taken from them where they set it.
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -53,6 +67,14 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     from_config = isinstance(name_or_path, PretrainedConfig)
+    extra = dict(model_init_kwargs or {})
+    if extra:
+        if from_config:
+            raise ConfigError("model_init_kwargs apply to loading a checkpoint, not to a config to initialise from")
+        if load_in_4bit and "quantization_config" in extra:
+            raise ConfigError("load_in_4bit and model_init_kwargs quantization_config both quantize: set one")
+        if "dtype" in extra:
+            extra["dtype"] = init_kwargs_dtype(extra["dtype"])
     if load_in_4bit:
         if from_config:
             raise ConfigError("load_in_4bit needs a pretrained checkpoint, not a config to initialise from")
@@ -67,11 +89,13 @@ def load_causal_lm(
         )
     if from_config:
         return AutoModelForCausalLM.from_config(copy.deepcopy(name_or_path), **kwargs)
-    return AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(name_or_path), **{**kwargs, **extra})
 
 
-def load_tokenizer(name_or_path, *, trust_remote_code: bool = False):
-    """The tokenizer saved with a model (hub name or local path)."""
+def load_tokenizer(name_or_path, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer saved with a model (hub name or local path); `revision` as the model's (TRL takes it from
+    `model_init_kwargs`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    kwargs = {"revision": revision} if revision is not None else {}
+    return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **kwargs)
