@@ -622,3 +622,57 @@ def test_gathered_float64_context_keeps_the_inputs_dtype():
     got, per_type = combined_loss(names, None, x, p, context.local(torch.arange(STEP)))
     assert got.dtype == torch.float32 and all(v.dtype == torch.float32 for v in per_type.values())
     torch.testing.assert_close(got, combined_loss(names, None, x, p)[0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# WPO weighting (TRL's use_weighting)
+# ---------------------------------------------------------------------------------------------
+
+
+def _wpo_inputs(P=6, seed=0):
+    from prefixdpo.objective import PairLogps
+
+    g = torch.Generator().manual_seed(seed)
+    logps = [-(torch.rand(P, generator=g, dtype=torch.float64) * 20 + 1) for _ in range(4)]
+    lengths = torch.randint(1, 9, (2, P), generator=g).double()
+    weights = torch.rand(P, generator=g, dtype=torch.float64) * 0.5 + 0.1
+    return PairLogps(*logps, chosen_lengths=lengths[0], rejected_lengths=lengths[1], wpo_weights=weights)
+
+
+def test_use_weighting_scales_every_loss_of_a_pair_by_its_weight():
+    """TRL: per_sequence_loss *= w_chosen * w_rejected for each loss type, then weighted and summed."""
+    from dataclasses import replace
+
+    from prefixdpo.objective import LossParams, combined_loss
+
+    inputs = _wpo_inputs()
+    names, weights = ["sigmoid", "ipo", "bco_pair"], [1.0, 0.3, 2.0]
+    plain, plain_parts = combined_loss(names, weights, inputs, LossParams())
+    weighted, parts = combined_loss(names, weights, inputs, LossParams(use_weighting=True))
+    w = inputs.wpo_weights
+    assert torch.allclose(weighted, plain * w, rtol=1e-12, atol=0)
+    for name in names:
+        assert torch.allclose(parts[name], plain_parts[name] * w, rtol=1e-12, atol=0)
+    # the weight is a constant: the gradient of the weighted loss is w x the plain one
+    x = replace(inputs, policy_chosen_logps=inputs.policy_chosen_logps.clone().requires_grad_())
+    (g_w,) = torch.autograd.grad(combined_loss(names, weights, x, LossParams(use_weighting=True))[0].sum(),
+                                 x.policy_chosen_logps)
+    (g_p,) = torch.autograd.grad(combined_loss(names, weights, x, LossParams())[0].sum(), x.policy_chosen_logps)
+    assert torch.allclose(g_w, g_p * w, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", ["aot", "aot_unpaired", "sft"])
+def test_use_weighting_refused_where_trl_has_no_meaning_for_it(name):
+    from prefixdpo.objective import LossParams, combined_loss
+
+    with pytest.raises(LossConfigError, match=f"use_weighting .*{name}"):
+        combined_loss([name], None, _wpo_inputs(), LossParams(use_weighting=True))
+
+
+def test_use_weighting_without_weights_is_a_caller_bug():
+    from dataclasses import replace
+
+    from prefixdpo.objective import LossParams, combined_loss
+
+    with pytest.raises(ValueError, match="wpo_weights"):
+        combined_loss(["sigmoid"], None, replace(_wpo_inputs(), wpo_weights=None), LossParams(use_weighting=True))
