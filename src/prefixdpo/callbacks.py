@@ -1,8 +1,10 @@
-"""The Trainer events `PrefixDPOTrainer` acts on, through transformers' public callback hooks."""
+"""The Trainer events `PrefixDPOTrainer` acts on, through transformers' public callback hooks, and the
+TR-DPO reference update (`tr_dpo_callback`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -10,7 +12,10 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from prefixdpo.errors import UserError
+from prefixdpo.errors import ConfigError, UserError
+from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
 
@@ -64,3 +69,52 @@ def load_state(checkpoint: str) -> dict:
         return {}
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+class SyncReferenceCallback(TrainerCallback):
+    """TR-DPO (`sync_ref_model`), as TRL 1.16's `SyncRefModelCallback`: at the end of every optimizer step
+    whose number is a multiple of `ref_model_sync_steps`, the reference becomes
+    ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``. Both options are read
+    from `args` at each step, as TRL does."""
+
+    def __init__(self, reference: SeparateModelReference):
+        self.reference = reference
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.reference.mix_in(model, args.ref_model_mixup_alpha)
+
+
+def tr_dpo_callback(args, reference, policy) -> SyncReferenceCallback | None:
+    """The TR-DPO callback for `reference` if `args.sync_ref_model`, else None.
+
+    Refused with a one-line ConfigError where TRL 1.16's `DPOTrainer` refuses: a PEFT policy (its
+    reference is the adapter switched off; there is no separate model to update) and precomputed
+    reference log-probs (they would go stale). Ignored, with a warning, for losses that use no reference
+    (TRL's callback does nothing without a reference model). Also refused: `ref_model_sync_steps` below 1
+    (TRL fails on it at the first step) and `ref_model_mixup_alpha` outside [0, 1] (TR-DPO's range), and
+    a given `ref_model` whose parameters are not the policy's.
+    """
+    if not getattr(args, "sync_ref_model", False):
+        return None
+    if is_peft_model(policy):
+        raise ConfigError(
+            "sync_ref_model=True is not supported with a PEFT model (as in TRL 1.16): the reference is the base "
+            "model with the adapter off, so there is no separate reference model to update"
+        )
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise ConfigError(
+            "sync_ref_model=True cannot be combined with precompute_ref_log_probs=True: the reference changes "
+            "during training, so precomputed reference log-probs would go stale; set one of them to False"
+        )
+    if isinstance(reference, NoReference):
+        logger.warning("sync_ref_model=True has no effect: loss_type %s uses no reference model", args.loss_type)
+        return None
+    steps = getattr(args, "ref_model_sync_steps", 512)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"ref_model_sync_steps={steps!r}: expected a positive integer (optimizer steps)")
+    alpha = getattr(args, "ref_model_mixup_alpha", 0.6)
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"ref_model_mixup_alpha={alpha!r}: expected a number in [0, 1]")
+    reference.check_mixable(policy)
+    return SyncReferenceCallback(reference)

@@ -4,7 +4,8 @@ Every strategy answers `logps(policy, batch, mask, item)`: the no-grad per-respo
 `batch` under the reference (None for reference-free losses). The trainer never asks which one it has.
 
 - `SeparateModelReference`: a frozen model (a given one, or a copy of the policy at the start), one
-  no-grad prefix-shared pass per micro-batch with the policy's mask;
+  no-grad prefix-shared pass per micro-batch with the policy's mask; with `sync_ref_model` (TR-DPO) the
+  only strategy whose reference moves: `mix_in` blends the policy into it (called by a callback);
 - `AdapterReference`: the PEFT policy with its adapter disabled (no second copy of the weights);
 - `PrecomputedReference`: tables of log-prob sums computed once per dataset by one of the two above and
   cached on disk. A table belongs to the *content* of a list of examples (a fingerprint), never to a
@@ -31,6 +32,7 @@ import torch
 
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
+from prefixdpo.errors import ConfigError
 from prefixdpo.forward import compute_response_logps, unwrap
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,35 @@ class SeparateModelReference:
 
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
         return reference_sums(self.model, batch, chunk_size=self.chunk_size, attention_mask=mask, backend=self.backend)
+
+    def check_mixable(self, policy) -> None:
+        """ConfigError unless the reference holds the policy's parameters (same names and shapes, same
+        order), which `mix_in` pairs by position as TRL does."""
+        ours = [(n, tuple(p.shape)) for n, p in unwrap(self.model).named_parameters()]
+        theirs = [(n, tuple(p.shape)) for n, p in unwrap(policy).named_parameters()]
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            ref_p = ours[first] if first < len(ours) else "nothing"
+            pol_p = theirs[first] if first < len(theirs) else "nothing"
+            raise ConfigError(
+                f"sync_ref_model=True: ref_model's parameters differ from the policy's (parameter {first}: "
+                f"reference {ref_p}, policy {pol_p}); the reference can only be mixed with a policy of its shape"
+            )
+
+    def mix_in(self, policy, alpha: float) -> None:
+        """TR-DPO's reference update (https://huggingface.co/papers/2404.09656), as TRL's
+        `SyncRefModelCallback`: every parameter, in place, ``ref = (1 - alpha) * ref + alpha * policy``
+        (the same two ops in the same order as TRL, so the result is bit for bit TRL's). Buffers are
+        left alone, as in TRL.
+
+        Our reference is a whole copy on every rank while the policy may be sharded: each policy
+        parameter is gathered first (FSDP2 DTensor: `full_tensor`; DeepSpeed ZeRO-3: one parameter at a
+        time, so the gather never holds more than one extra parameter), and every rank updates its copy.
+        """
+        with torch.no_grad():
+            for ref_p, pol_p in zip(unwrap(self.model).parameters(), unwrap(policy).parameters(), strict=True):
+                with _gathered(pol_p):
+                    ref_p.mul_(1.0 - alpha).add_(_full(pol_p.detach()).to(ref_p.device), alpha=alpha)
 
 
 class AdapterReference:
@@ -174,6 +205,15 @@ class PrecomputedReference:
         self.cache_hits[name] = hit
         logger.info("reference log-probs for %s %s %s", name, "loaded from" if hit else "computed and saved to", path)
         return table
+
+
+def _gathered(param):
+    """DeepSpeed ZeRO-3 keeps a slice of `param` per rank: whole inside this context (read only)."""
+    if not hasattr(param, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param])
 
 
 @contextlib.contextmanager
