@@ -119,6 +119,9 @@ def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tens
     def grab(_module, _inputs, output):
         captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
+    # A MoE model asked for router logits computes its aux loss from `attention_mask` read as a [B, L]
+    # padding mask, which ours is not: `recording_router_logits` collects them instead.
+    moe = {"output_router_logits": False} if hasattr(_text_config(hf), "output_router_logits") else {}
     handle = decoder.register_forward_hook(grab)
     try:
         out = model(
@@ -127,6 +130,7 @@ def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tens
             position_ids=batch.position_ids,
             use_cache=False,
             logits_to_keep=1,  # the model's own head on one position only: we apply ours where needed
+            **moe,
         )
     finally:
         handle.remove()

@@ -1,0 +1,194 @@
+"""TRL 1.16 DPOConfig options on prefix-shared rows: `use_weighting` (WPO), `ld_alpha` (LD-DPO) and
+`router_aux_loss_coef` (the MoE load-balancing loss), each with TRL's meaning.
+
+`use_weighting` and `ld_alpha`: per-step loss, gradient norm, log-probs and rewards equal TRL's
+`DPOTrainer` on the same tiny model, records and sequential order (learning rate 1e-3, fp32 CPU), prefix
+sharing on, packing off and on. Tolerances as `test_trl_parity`: relative 1e-4 on loss, grad_norm and
+summed log-probs; 5e-5 absolute on rewards (beta x log-prob differences around 0, where a relative
+bound is meaningless).
+
+`router_aux_loss_coef`: TRL averages the load-balancing statistics over the tokens of its padded rows,
+where each pair's prompt appears twice. A prefix-shared row holds the prompt once, so the model's own
+aux loss of our row is NOT TRL's (asserted below: it differs). Exact equality is still possible: a
+prompt's router logits are the same in both of TRL's rows (causal attention) and a response's equal
+those of its separate sequence (the mask rule), so counting each token as often as TRL's rows hold it
+(`forward.trl_token_multiplicity`) gives TRL's statistics. Asserted: our aux loss equals TRL's own
+fused-head aux loss on its padded rows (fp32, relative 1e-5), packed and unpacked, for Mixtral and
+Qwen3-MoE; the router logits we record are those the model itself returns for the same row.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_examples, tiny_model
+from prefixdpo.config import PrefixDPOConfig
+from prefixdpo.data.batch import build_batch
+from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from prefixdpo.trainer import PrefixDPOTrainer
+from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, parity_records, shared_options, step_logs
+
+# ---------------------------------------------------------------------------------------------
+# use_weighting / ld_alpha: per-step equality with TRL 1.16's DPOTrainer
+# ---------------------------------------------------------------------------------------------
+
+
+def trl_step_logs(records, tokenizer, base, options) -> list[dict]:
+    """TRL's per-step logs; `options` may hold the TRL options under test (the parity harness pins them)."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(**{"padding_free": False, "pad_to_multiple_of": None, "f_divergence_type": "reverse_kl",
+                        "sync_ref_model": False, **options})
+    trainer = DPOTrainer(model=copy.deepcopy(base), ref_model=copy.deepcopy(base), args=args,
+                         train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer)
+    trainer.train()
+    return step_logs(trainer)
+
+
+def our_step_logs(records, tokenizer, base, options, *, packing: bool) -> list[dict]:
+    args = PrefixDPOConfig(prefix_sharing=True, packing=packing, attention="sdpa", **options)
+    trainer = PrefixDPOTrainer(model=copy.deepcopy(base), ref_model=copy.deepcopy(base), args=args,
+                               train_dataset=records, processing_class=tokenizer)
+    assert trainer.data_reports["train"].truncated == 0
+    trainer.train()
+    return step_logs(trainer)
+
+
+def compare(trl_logs, our_logs) -> tuple[list[bool], str]:
+    rows = []
+    for step, (t, o) in enumerate(zip(trl_logs, our_logs), start=1):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= LOGPS_RTOL * abs(t[key])))
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= REWARD_ATOL))
+    table = "\n".join(f"step {s} {k:17s} trl {a: .8f} ours {b: .8f} diff {a - b: .2e}" for s, k, a, b, _ in rows)
+    return [ok for *_, ok in rows], table
+
+
+@pytest.fixture(scope="module")
+def setup():
+    pytest.importorskip("trl")
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.set_verbosity_error()
+    tokenizer = build_tiny_tokenizer()
+    records = parity_records(16)
+    return records, tokenizer, tiny_model("llama", vocab_size=len(tokenizer)), {}
+
+
+@pytest.fixture(scope="module")
+def trl_runs(setup, tmp_path_factory):
+    """TRL's logs per option, run once for both packing settings."""
+    records, tokenizer, base, cache = setup
+    return lambda name, option: cache.setdefault(name, trl_step_logs(
+        records, tokenizer, base, {**shared_options(tmp_path_factory.mktemp("trl"), "trl", 4, 1), **option}))
+
+
+OPTIONS = {"wpo": {"use_weighting": True}, "ld": {"ld_alpha": 0.5}}
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_per_step_equal_trl_dpo_trainer(setup, trl_runs, tmp_path, name, packing):
+    records, tokenizer, base, _ = setup
+    option = OPTIONS[name]
+    trl_logs = trl_runs(name, option)
+    plain = trl_runs("plain", {})
+    ours = our_step_logs(records, tokenizer, base, {**shared_options(tmp_path, "ours", 4, 1), **option},
+                         packing=packing)
+    assert len(trl_logs) == len(ours) == 4
+    oks, table = compare(trl_logs, ours)
+    assert all(oks), table
+    # the option changed TRL's run (so equality is not plain DPO's): the first step's loss (WPO scales it)
+    # or log-probs (LD-DPO re-weights them) differ from the plain run's
+    key = "loss" if name == "wpo" else "logps/chosen"
+    assert abs(trl_logs[0][key] - plain[0][key]) > 100 * LOGPS_RTOL * abs(plain[0][key]), (key, trl_logs[0], plain[0])
+    # training moved the policy: rewards are not trivially zero after the first step
+    assert all(abs(o["rewards/margins"]) > 10 * REWARD_ATOL for o in ours[1:]), table
+
+
+# ---------------------------------------------------------------------------------------------
+# router_aux_loss_coef: the MoE load-balancing loss
+# ---------------------------------------------------------------------------------------------
+
+MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, num_key_value_heads=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+                      num_key_value_heads=2, head_dim=8, decoder_sparse_step=1, mlp_only_layers=[]),
+}
+
+
+def trl_rows(examples, pad: int):
+    """TRL's padded rows: `[prompt][better]` for every pair, then `[prompt][worse]`; right padding."""
+    seqs = [list(ex.prompt_ids) + list(ex.response_ids[i]) for ex in examples for i, _ in ex.pairs]
+    seqs += [list(ex.prompt_ids) + list(ex.response_ids[j]) for ex in examples for _, j in ex.pairs]
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [pad] * (L - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
+    pytest.importorskip("trl")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    from trl.trainer.utils import add_fused_lm_head
+
+    from prefixdpo.attention.backends import build_attention_mask
+    from prefixdpo.forward import compute_response_logps, prepare_model, recording_router_logits
+
+    model = tiny_model(arch, **MOE[arch])
+    examples = make_examples(6, seed=1, ks=(2, 3))  # K = 3 examples hold two pairs sharing the better response
+
+    # TRL: its fused-head forward (the one DPOTrainer patches in) on standard padded rows
+    trl_model = copy.deepcopy(model)
+    add_fused_lm_head(trl_model, outputs=("log_probs",))
+    ids, mask = trl_rows(examples, pad=0)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        trl_aux = trl_model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True,
+                            output_router_logits=True).aux_loss
+
+    prepare_model(model, "sdpa")
+    for packs in (None, [[0, 1, 2], [3, 4, 5]]):
+        batch = build_batch(examples, packs=packs)
+        with torch.no_grad():
+            ours = compute_response_logps(model, batch, backend="sdpa", router_aux=True).aux_loss
+        assert torch.allclose(ours, trl_aux, rtol=1e-5, atol=0), (packs, ours.item(), trl_aux.item())
+
+    # the router logits we record are the model's own for the same row, and counting the row's tokens
+    # once (the model's own aux loss on it) is not TRL's value: the multiplicity is what makes them equal
+    batch = build_batch(examples)
+    attention = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
+    with torch.no_grad(), recording_router_logits(model) as recorded:
+        out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=attention,
+                                  position_ids=batch.position_ids, output_router_logits=True, use_cache=False)
+    own = out.router_logits
+    assert len(own) == len(recorded) == 2 and all(torch.equal(a, b) for a, b in zip(own, recorded))
+    once = load_balancing_loss_func(own, 4, 2, (batch.doc_ids >= 0).float())
+    # ten times the tolerance the weighted value meets (measured: ~8e-4 relative for Qwen3-MoE)
+    assert (once - trl_aux).abs() > 1e-4 * trl_aux.abs(), (once.item(), trl_aux.item())
+
+
+def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
+    from prefixdpo.forward import compute_response_logps, prepare_model, resolve_router_aux_loss_coef
+    from prefixdpo.forward import UnsupportedModelError
+
+    model = tiny_model("mixtral", **MOE["mixtral"], router_aux_loss_coef=0.02)
+    assert resolve_router_aux_loss_coef(model, None) == 0.02  # the model's own, as TRL
+    assert resolve_router_aux_loss_coef(model, 0.5) == 0.5
+    assert resolve_router_aux_loss_coef(tiny_model("llama"), None) == 0.0
+    with pytest.raises(UnsupportedModelError, match="router_aux_loss_coef is set to 0.1 but LlamaForCausalLM"):
+        resolve_router_aux_loss_coef(tiny_model("llama"), 0.1)
+    prepare_model(model, "sdpa")
+    batch = build_batch(make_examples(3))
+    aux = compute_response_logps(model, batch, backend="sdpa", router_aux=True).aux_loss
+    gate = model.model.layers[0].mlp.gate.weight
+    (grad,) = torch.autograd.grad(aux, gate)
+    assert grad.abs().max() > 0
