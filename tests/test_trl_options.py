@@ -27,6 +27,7 @@ import torch
 from conftest import make_examples, tiny_model
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.data.batch import build_batch
+from prefixdpo.data.loader import pack_in_order
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.trainer import PrefixDPOTrainer
 from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, parity_records, shared_options, step_logs
@@ -49,11 +50,21 @@ def trl_step_logs(records, tokenizer, base, options) -> list[dict]:
     return step_logs(trainer)
 
 
+# Packed, a micro-batch is `per_device_train_batch_size` LINES. Lines of 150 tokens hold exactly four of
+# `parity_records(16)` each, in file order (their rows are 30-40 tokens; asserted below), so one line per
+# micro-batch holds the same four pairs as TRL's micro-batch of four.
+PACKED = dict(per_device_train_batch_size=1, pack_length=150)
+
+
 def our_step_logs(records, tokenizer, base, options, *, packing: bool) -> list[dict]:
+    options = {**options, **(PACKED if packing else {})}
     args = PrefixDPOConfig(prefix_sharing=True, packing=packing, attention="sdpa", **options)
     trainer = PrefixDPOTrainer(model=copy.deepcopy(base), ref_model=copy.deepcopy(base), args=args,
                                train_dataset=records, processing_class=tokenizer)
     assert trainer.data_reports["train"].truncated == 0
+    if packing:
+        lengths = [ex.shared_length for ex in trainer.train_dataset]
+        assert [len(line) for line in pack_in_order(lengths, PACKED["pack_length"])] == [4, 4, 4, 4], lengths
     trainer.train()
     return step_logs(trainer)
 
