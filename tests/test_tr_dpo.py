@@ -94,11 +94,11 @@ def test_callback_mixes_every_ref_model_sync_steps_optimizer_steps():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_off_by_default_and_for_each_strategy():
+def test_off_unless_sync_ref_model(tmp_path):
     base = tiny_model("llama")
     reference = SeparateModelReference(copy.deepcopy(base))
+    assert tr_dpo_callback(PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True), reference, base) is None
     assert tr_dpo_callback(tr_args(sync_ref_model=False), reference, base) is None
-    assert tr_dpo_callback(SimpleNamespace(), reference, base) is None  # a config without the fields: off
     assert isinstance(tr_dpo_callback(tr_args(), reference, base), SyncReferenceCallback)
 
 
@@ -167,10 +167,7 @@ def patch_harness(monkeypatch, trl_extra: dict, our_extra: dict, trainers: list)
     monkeypatch.setattr(trl, "DPOConfig", lambda **kw: trl_config(**{**kw, **trl_extra}))
 
     def our_config(**kw):
-        args = PrefixDPOConfig(**{**kw, **{k: v for k, v in our_extra.items() if k not in TR_DPO}})
-        for key in TR_DPO.keys() & our_extra.keys():  # set after construction: works with or without H7's fields
-            setattr(args, key, our_extra[key])
-        return args
+        return PrefixDPOConfig(**{**kw, **our_extra})
 
     class Trainer(PrefixDPOTrainer):
         def __init__(self, *a, **kw):

@@ -93,16 +93,18 @@ def tr_dpo_callback(args, reference, policy) -> SyncReferenceCallback | None:
     reference log-probs (they would go stale). Ignored, with a warning, for losses that use no reference
     (TRL's callback does nothing without a reference model). Also refused: `ref_model_sync_steps` below 1
     (TRL fails on it at the first step) and `ref_model_mixup_alpha` outside [0, 1] (TR-DPO's range), and
-    a given `ref_model` whose parameters are not the policy's.
+    a given `ref_model` whose parameters are not the policy's. `PrefixDPOConfig` checks the options when
+    built; they are checked again here because Trainer's args can be changed after that (TRL too checks
+    them when the trainer is built).
     """
-    if not getattr(args, "sync_ref_model", False):
+    if not args.sync_ref_model:
         return None
     if is_peft_model(policy):
         raise ConfigError(
             "sync_ref_model=True is not supported with a PEFT model (as in TRL 1.16): the reference is the base "
             "model with the adapter off, so there is no separate reference model to update"
         )
-    if getattr(args, "precompute_ref_log_probs", False):
+    if args.precompute_ref_log_probs:
         raise ConfigError(
             "sync_ref_model=True cannot be combined with precompute_ref_log_probs=True: the reference changes "
             "during training, so precomputed reference log-probs would go stale; set one of them to False"
@@ -110,10 +112,10 @@ def tr_dpo_callback(args, reference, policy) -> SyncReferenceCallback | None:
     if isinstance(reference, NoReference):
         logger.warning("sync_ref_model=True has no effect: loss_type %s uses no reference model", args.loss_type)
         return None
-    steps = getattr(args, "ref_model_sync_steps", 512)
+    steps = args.ref_model_sync_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"ref_model_sync_steps={steps!r}: expected a positive integer (optimizer steps)")
-    alpha = getattr(args, "ref_model_mixup_alpha", 0.6)
+    alpha = args.ref_model_mixup_alpha
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"ref_model_mixup_alpha={alpha!r}: expected a number in [0, 1]")
     reference.check_mixable(policy)
