@@ -172,11 +172,6 @@ def patch_harness(monkeypatch, trl_extra: dict, our_extra: dict, trainers: list)
     class Trainer(PrefixDPOTrainer):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            # trainer.py does not register the callback yet (see the report of issue 9 part C)
-            if not any(isinstance(c, SyncReferenceCallback) for c in self.callback_handler.callbacks):
-                callback = tr_dpo_callback(self.args, self.reference, self.model)
-                if callback is not None:
-                    self.add_callback(callback)
             trainers.append(self)
 
     monkeypatch.setattr(parity, "PrefixDPOConfig", our_config)

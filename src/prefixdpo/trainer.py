@@ -26,7 +26,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, get_last_checkpoint
 
-from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state
+from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state, tr_dpo_callback
 from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
@@ -90,6 +90,9 @@ class PrefixDPOTrainer(Trainer):
             batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
             pad_token_id=self.pad_token_id, device=self.accelerator.device,
         )
+        sync = tr_dpo_callback(args, self.reference, self.model)  # TR-DPO; refuses PEFT/precomputed as TRL 1.16
+        if sync is not None:
+            self.add_callback(sync)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params())
         self.step_context = StepContextBuilder(self.objective, self.accelerator)
         self._metrics = {"train": MetricSums(), "eval": MetricSums()}
