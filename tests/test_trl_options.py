@@ -204,3 +204,23 @@ def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
     gate = model.model.layers[0].mlp.gate.weight
     (grad,) = torch.autograd.grad(aux, gate)
     assert grad.abs().max() > 0
+
+
+def test_router_aux_loss_training_equals_trl_dpo_trainer(tmp_path):
+    """router_aux_loss_coef end to end: per-step loss (with TRL's weighted aux term), grad norm, log-probs and
+    rewards equal TRL 1.16's DPOTrainer on a tiny Mixtral, same tolerances as the other options."""
+    pytest.importorskip("trl")
+    tokenizer = build_tiny_tokenizer()
+    records = parity_records(16)
+    base = tiny_model("mixtral", vocab_size=len(tokenizer), **MOE["mixtral"])
+    option = {"router_aux_loss_coef": 0.5}  # large, so a missing or mis-scaled aux term shows in the loss
+    trl_logs = trl_step_logs(records, tokenizer, base, {**shared_options(tmp_path / "trl", "trl", 4, 1), **option})
+    for packing in (False, True):
+        ours = our_step_logs(records, tokenizer, base, {**shared_options(tmp_path / str(packing), "ours", 4, 1),
+                                                        **option}, packing=packing)
+        assert len(trl_logs) == len(ours) == 4
+        oks, table = compare(trl_logs, ours)
+        assert all(oks), f"packing={packing}\n{table}"
+    plain = our_step_logs(records, tokenizer, base, {**shared_options(tmp_path / "p", "plain", 4, 1),
+                                                     "router_aux_loss_coef": 0.0}, packing=False)
+    assert abs(ours[0]["loss"] - plain[0]["loss"]) > 1e-3  # the aux term is in the loss

@@ -33,7 +33,7 @@ from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
-from prefixdpo.forward import final_hidden_states, restore_stock_attention, unwrap
+from prefixdpo.forward import final_hidden_states, resolve_router_aux_loss_coef, restore_stock_attention, unwrap
 from prefixdpo.logprobs import lm_head_fn
 from prefixdpo.metrics import MetricSums
 from prefixdpo.model_setup import prepare_policy, prepare_reference
@@ -93,7 +93,8 @@ class PrefixDPOTrainer(Trainer):
         sync = tr_dpo_callback(args, self.reference, self.model)  # TR-DPO; refuses PEFT/precomputed as TRL 1.16
         if sync is not None:
             self.add_callback(sync)
-        self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params())
+        self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
+                                   resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
         self.step_context = StepContextBuilder(self.objective, self.accelerator)
         self._metrics = {"train": MetricSums(), "eval": MetricSums()}
         self._pairs_trained = 0.0
@@ -160,7 +161,8 @@ class PrefixDPOTrainer(Trainer):
         """No-grad per-pair log-probs of one micro-batch, for the step context."""
         with torch.no_grad():
             return pair_logps(self.model, item["batch"].to(self.args.device), reference=self.reference,
-                              backend=self.backend, chunk_size=self.args.logprob_chunk_size, item=item)
+                              backend=self.backend, chunk_size=self.args.logprob_chunk_size, item=item,
+                              params=self.objective.params)
 
     # ---- loss -------------------------------------------------------------------------------
 
@@ -174,7 +176,10 @@ class PrefixDPOTrainer(Trainer):
         result = pair_losses(model, batch, reference=self.reference, objective=self.objective, backend=self.backend,
                              chunk_size=self.args.logprob_chunk_size, item=inputs, context=context)
         stats = result.metric_sums(self.args.beta)
-        stats.update(pairs=batch.num_pairs, loss_sum=result.losses.detach().sum().item(),
+        loss_sum = result.losses.detach().sum().item()
+        if result.aux_loss is not None:  # TRL's logged loss includes the weighted aux loss
+            loss_sum += self.objective.router_aux_loss_coef * float(result.aux_loss.detach()) * batch.num_pairs
+        stats.update(pairs=batch.num_pairs, loss_sum=loss_sum,
                      **{k: inputs[k] for k in ("real_tokens", "slots", "shared_tokens", "unshared_tokens")})
         self._metrics[split].add(stats)
         return result, batch
@@ -190,6 +195,10 @@ class PrefixDPOTrainer(Trainer):
             # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
             # ranks of (pair losses / all pairs of the step)
             loss = result.losses.sum() * (self.accelerator.num_processes / max(int(inputs["step_pairs"]), 1))
+            if result.aux_loss is not None:
+                # as TRL: coef x aux per micro-batch, averaged over accumulation steps and (by DDP) over ranks
+                coef = self.objective.router_aux_loss_coef
+                loss = loss + coef * result.aux_loss / self.current_gradient_accumulation_steps
         return (loss, {}) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
