@@ -29,6 +29,8 @@ SCRIPT = textwrap.dedent(
     from prefixdpo.objective import LOSSES
     from prefixdpo.trainer import PrefixDPOTrainer
 
+    import gc
+    gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time
     out_dir, job = sys.argv[1], sys.argv[2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -96,7 +98,7 @@ def _run(tmp_path, nproc: int, *job: str) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                "29517", str(script), str(out), *job]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
