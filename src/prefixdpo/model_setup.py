@@ -16,10 +16,13 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def _load(name: str, args):
+def _load(name: str, args, dtype="float32"):
+    # TRL's DPOTrainer loads a named model in float32 unless `model_init_kwargs` says otherwise (bf16 is then
+    # autocast, with fp32 master weights); `model_init_kwargs` win over everything else.
     from prefixdpo.models import load_causal_lm
 
-    return load_causal_lm(name, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    return load_causal_lm(name, dtype=dtype, trust_remote_code=args.trust_remote_code,
+                          model_init_kwargs=args.model_init_kwargs)
 
 
 def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=None):
@@ -27,7 +30,8 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
     if isinstance(model, str):
         from prefixdpo.models import load_tokenizer
 
-        tokenizer = tokenizer or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
+        tokenizer = tokenizer or load_tokenizer(model, trust_remote_code=args.trust_remote_code,
+                                                revision=(args.model_init_kwargs or {}).get("revision"))
         model = _load(model, args)
     if model is None:
         raise UserError("PrefixDPOTrainer needs a model (a model object or a name/path)")
@@ -45,12 +49,13 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
     return model, tokenizer
 
 
-def prepare_reference(ref_model, args, *, backend: str):
-    """A separate reference model (or name/path) ready for no-grad passes with the policy's mask; None stays None."""
+def prepare_reference(ref_model, args, *, backend: str, policy_dtype=torch.float32):
+    """A separate reference model (or name/path, loaded in the policy's dtype as TRL does) ready for no-grad
+    passes with the policy's mask; None stays None."""
     if ref_model is None:
         return None
     if isinstance(ref_model, str):
-        ref_model = _load(ref_model, args)
+        ref_model = _load(ref_model, args, dtype=policy_dtype)
     prepare_model(ref_model, backend)
     if args.disable_dropout:
         disable_dropout(ref_model)

@@ -36,6 +36,7 @@ from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import final_hidden_states, resolve_router_aux_loss_coef, restore_stock_attention, unwrap
 from prefixdpo.logprobs import lm_head_fn
 from prefixdpo.metrics import MetricSums
+from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.model_setup import prepare_policy, prepare_reference
 from prefixdpo.reference import PrecomputedReference, choose_reference
 from prefixdpo.step import Objective, pair_logps, pair_losses
@@ -80,7 +81,8 @@ class PrefixDPOTrainer(Trainer):
                          optimizers=optimizers)
         self.add_callback(PrefixDPOCallback(self))
 
-        ref_model = prepare_reference(ref_model, args, backend=self.backend)
+        self._offload = activation_offloading_context(self.model, args.activation_offloading)
+        ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
         if ref_model is not None and not args.precompute_ref_log_probs:
             ref_model.to(self.accelerator.device)
         self.reference = choose_reference(
@@ -136,7 +138,8 @@ class PrefixDPOTrainer(Trainer):
         if self.train_dataset is None:
             raise UserError("PrefixDPOTrainer: training needs a train_dataset")
         self._train_micro = self._micro_batches(self.train_dataset, train=True)
-        return make_dataloader(self._train_micro, self.args.dataloader_num_workers, self.args.dataloader_pin_memory)
+        pin = self.args.dataloader_pin_memory and torch.cuda.is_available()  # pinning needs an accelerator
+        return make_dataloader(self._train_micro, self.args.dataloader_num_workers, pin)
 
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is None and self.eval_dataset is None:
@@ -185,6 +188,10 @@ class PrefixDPOTrainer(Trainer):
         return result, batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._offload:  # activation_offloading (TRL's context; a no-op when off)
+            return self._compute_loss(model, inputs, return_outputs)
+
+    def _compute_loss(self, model, inputs, return_outputs):
         result, batch = self._pair_step(model, inputs, "train")
         if result is None:
             # a rank-balancing empty slot: 0 x a function of every parameter, so DDP's gradient sync still runs
