@@ -600,17 +600,6 @@ def test_step_context_errors():
     assert isinstance(context.local(torch.tensor([2, 0])), StepContext)
 
 
-def test_moved_names_still_import_from_losses():
-    import prefixdpo.losses as losses
-    import prefixdpo.objective as objective
-
-    for name in ["PairLogps", "LossParams", "BCORunningMean", "LOSSES", "LOSS_ALIASES", "REFERENCE_FREE",
-                 "NEEDS_NO_REFERENCE", "combined_loss", "pair_rewards"]:
-        assert getattr(losses, name) is getattr(objective, name)
-    with pytest.raises(AttributeError):
-        losses.no_such_name  # noqa: B018
-
-
 def test_gathered_float64_context_keeps_the_inputs_dtype():
     # the trainer gathers step pairs in float64 on the host; a float32 micro-batch stays float32
     leaves, lc, lr = _step_leaves(seed=14)

@@ -350,20 +350,3 @@ def rewards(
     if lengths is None:
         raise ValueError("reference-free rewards need lengths (response token counts)")
     return (beta * _per_token(policy_logps, lengths)).detach()
-
-
-# Names that moved to prefixdpo.objective; config.py and trainer.py import them from here until
-# their owners switch to `from prefixdpo.objective import ...` (then delete this).
-_MOVED_TO_OBJECTIVE = frozenset({
-    "PairLogps", "LossParams", "BCORunningMean", "LOSSES", "LOSS_ALIASES", "REFERENCE_FREE",
-    "NEEDS_NO_REFERENCE", "combined_loss", "pair_rewards",
-})  # fmt: skip
-
-
-def __getattr__(name: str):
-    # PEP 562: resolved on first access, so importing either module first has no import cycle.
-    if name in _MOVED_TO_OBJECTIVE:
-        from prefixdpo import objective
-
-        return getattr(objective, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
