@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent(
     import gc
     gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time
     out_dir, job = sys.argv[1], sys.argv[2]
+    LR = 100.0
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     def args(name, **kw):
@@ -72,12 +73,13 @@ SCRIPT = textwrap.dedent(
             for layout, kw in layouts.items():
                 policy = tiny_model("llama")
                 before = flat(policy)
+                # a large SGD step makes (after - before) / lr the gradient with little weight rounding in it
                 t = PrefixDPOTrainer(model=policy, ref_model=reference, train_dataset=examples,
                                      args=args(f"{{loss}}-{{layout}}", max_steps=1, loss_type=[loss],
-                                               label_smoothing=0.1, **kw))
+                                               label_smoothing=0.1, learning_rate=LR, max_grad_norm=0, **kw))
                 t.train()
                 log = [h for h in t.state.log_history if "loss" in h][0]
-                update = (flat(t.model) - before) / 0.5  # SGD: -gradient
+                update = (flat(t.model) - before) / LR  # SGD: -gradient
                 results[f"{{loss}}/{{layout}}"] = {{"loss": log["loss"],
                                                    "grad": update[:: max(1, update.numel() // 4000)].tolist()}}
     if int(os.environ.get("RANK", "0")) == 0:
