@@ -301,7 +301,9 @@ class ModelArguments:
         default=None, metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]}
     )
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Separate reference model (default: a frozen copy)."})
-    dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype as TRL's ModelConfig: float32 (default; "
+                                                        "--bf16 then autocasts), bfloat16, float16, or auto (the "
+                                                        "checkpoint's own)."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})

@@ -92,7 +92,7 @@ def run(args) -> int:
     name = model_args.model_name_or_path
     tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
                                revision=(config.model_init_kwargs or {}).get("revision"))
-    model = load_causal_lm(name, dtype=model_args.dtype, bf16=config.bf16, trust_remote_code=config.trust_remote_code,
+    model = load_causal_lm(name, dtype=model_args.dtype, trust_remote_code=config.trust_remote_code,
                            load_in_4bit=model_args.load_in_4bit, model_init_kwargs=config.model_init_kwargs)
 
     options = data_options(config, data_args)
