@@ -62,6 +62,14 @@ class PrefixDPOCallback(TrainerCallback):
                 json.dump(self.trainer.step_context.state_dict(), fh)
 
 
+def latest_checkpoint(output_dir: str) -> str:
+    """The newest `checkpoint-*` folder in `output_dir` (`resume_from_checkpoint="latest"`)."""
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {output_dir}")
+    return last
+
+
 def load_state(checkpoint: str) -> dict:
     """Our state saved by `on_save` in `checkpoint` ({} for checkpoints written before it existed)."""
     path = os.path.join(checkpoint, STATE_FILE)

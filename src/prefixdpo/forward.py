@@ -260,3 +260,10 @@ def compute_response_logps(
     if router_aux:
         result.aux_loss = router_aux_loss(model, router_logits, batch)
     return result
+
+
+def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
+    """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
+    gradient sync and FSDP's collectives line up on every rank."""
+    hidden, _ = final_hidden_states(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, backend))
+    return lm_head_fn(unwrap(model))(hidden[:, -1]).sum() * 0.0

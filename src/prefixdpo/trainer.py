@@ -19,22 +19,20 @@ packing spread the pairs over micro-batches.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import EvalLoopOutput, get_last_checkpoint
+from transformers.trainer_utils import EvalLoopOutput
 
-from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state, tr_dpo_callback
-from prefixdpo.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, latest_checkpoint, load_state, tr_dpo_callback
+from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
-from prefixdpo.forward import final_hidden_states, resolve_router_aux_loss_coef, restore_stock_attention, unwrap
-from prefixdpo.logprobs import lm_head_fn
+from prefixdpo.forward import resolve_router_aux_loss_coef, restore_stock_attention, unwrap, zero_weight_loss
 from prefixdpo.metrics import MetricSums
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.model_setup import prepare_policy, prepare_reference
@@ -193,11 +191,8 @@ class PrefixDPOTrainer(Trainer):
 
     def _compute_loss(self, model, inputs, return_outputs):
         result, batch = self._pair_step(model, inputs, "train")
-        if result is None:
-            # a rank-balancing empty slot: 0 x a function of every parameter, so DDP's gradient sync still runs
-            hidden, _ = final_hidden_states(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
-                                                                               self.backend))
-            loss = lm_head_fn(unwrap(model))(hidden[:, -1]).sum() * 0.0
+        if result is None:  # a rank-balancing empty slot
+            loss = zero_weight_loss(model, batch, self.backend)
         else:
             # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
             # ranks of (pair losses / all pairs of the step)
@@ -253,10 +248,7 @@ class PrefixDPOTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Trainer.train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
         if resume_from_checkpoint == "latest":
-            last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-            if last is None:
-                raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
-            resume_from_checkpoint = last
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
             self.step_context.load_state_dict(load_state(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, *args, **kwargs)
