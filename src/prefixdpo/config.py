@@ -160,7 +160,7 @@ class PrefixDPOConfig(TrainingArguments):
     prefix_sharing: bool = field(default=True, metadata={"help": "Prompt once + all responses in one row."})
     packing: bool = field(default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
     pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
-    attention: str = field(default="auto", metadata={"help": "Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex, segmented (SDPA over allowed blocks only; faster on CPU for long packed lines)."})
+    attention: str = field(default="auto", metadata={"help": "Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex, segmented (SDPA over allowed blocks only; faster on CPU for long packed lines), varlen (FlashAttention varlen over allowed blocks; CUDA, bf16/fp16)."})
     logprob_chunk_size: int = field(default=1024, metadata={"help": "Response tokens per LM-head chunk."})
     ref_cache_dir: str | None = field(
         default=None, metadata={"help": "Cache of precomputed reference log-probs (default ~/.cache/prefixdpo/ref_logps)."}

@@ -3,7 +3,8 @@
 `ATTENTION_NAME` is registered with `transformers.AttentionInterface`, so every model that supports
 sdpa/flex runs it without per-architecture patches. transformers hands a 4D tensor or a BlockMask given
 as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
-build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA.
+build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor
+carrying a `prefix_plan` runs segmented SDPA, one carrying a `varlen_plan` runs FlashAttention varlen.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prefixdpo.attention.masks import block_mask, dense_mask
+from prefixdpo.attention import varlen
 from prefixdpo.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
+from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
-BACKENDS = ("auto", "sdpa", "flex", "segmented")
+BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
 
 
 def segment_plan_mask(plan: SegmentPlan, device) -> torch.Tensor:
@@ -52,8 +55,19 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
                 raise ValueError(f"segmented attention does not support '{feature}'; use the sdpa or flex backend")
         dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
         return segmented_attention(query, key, value, plan, scaling=kwargs.get("scaling"), dropout=dropout), None
+    plan = getattr(attention_mask, "varlen_plan", None)
+    if plan is not None:
+        for feature in ("softcap", "s_aux", "sinks"):
+            if kwargs.get(feature) is not None:
+                raise ValueError(f"varlen attention does not support '{feature}'; use the flex backend")
+        if module.training and kwargs.get("dropout", 0.0):
+            raise ConfigError(
+                f"attention='varlen' has no attention dropout (the model's is {kwargs['dropout']}); "
+                "use 'flex' or 'sdpa', or set the model's attention_dropout to 0"
+            )
+        return varlen.varlen_attention(query, key, value, plan, scaling=kwargs.get("scaling")), None
     if attention_mask is not None and attention_mask.numel() == 0:
-        raise ValueError("a segmented-attention mask lost its plan on the way to the attention function")
+        raise ValueError("a segmented- or varlen-attention mask lost its plan on the way to the attention function")
     if attention_mask is None:
         kwargs.setdefault("is_causal", True)
     else:
@@ -72,6 +86,8 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
     short ones (HH-like, 768 tokens: 0.44 s vs 0.29 s), where per-segment overhead dominates.
 
     FlexAttention has no backward on CPU (torch 2.13), so flex is refused there for training.
+    `varlen` (FlashAttention varlen) runs on CUDA only and is refused elsewhere; `auto` does not pick it
+    until it has been measured against flex on a GPU.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -80,12 +96,16 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
         return "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex" and device.type == "cpu" and needs_grad:
         raise ValueError("attention backend 'flex' cannot train on CPU (FlexAttention has no CPU backward); use 'sdpa'")
+    if backend == "varlen":
+        varlen.check_available(device)
     return backend
 
 
 def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backend: str):
     """The mask object for a resolved backend: BlockMask for flex, bool [B,1,L,L] for sdpa, a
-    plan-carrying tensor for segmented."""
+    plan-carrying tensor for segmented and varlen."""
+    if backend == "varlen":
+        return varlen.varlen_plan_mask(varlen.build_varlen_plan(doc_ids, branch_ids), doc_ids.device)
     if backend == "segmented":
         return segment_plan_mask(build_segment_plan(doc_ids, branch_ids), doc_ids.device)
     if backend == "flex":
