@@ -203,3 +203,55 @@ def test_bench_on_a_real_dataset_and_model_by_path(tmp_path):
     prof = json.loads((out / "bench.json").read_text())["profiles"][0]
     assert prof["examples"] == 4 and set(prof["modes"]) == set(MODES)
     assert prof["modes"]["shared"]["tokens"] < prof["modes"]["paired"]["tokens"]
+
+
+def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches_stock():
+    """ultrafeedback-k4: 4 responses, best vs each (3 pairs). The standard modes run 3 pairs = 6
+    [prompt][response] sequences per example (the best 3 times), the shared modes 1 row with the 4
+    responses once; every mode's per-pair DPO losses equal stock separate passes (fp32, atol 1e-5)."""
+    from prefixdpo.bench.modes import standard_examples
+    from prefixdpo.flops import ModelShape, ideal_speedup, shared_flop_count, standard_flop_count
+
+    w = synthetic_workload("ultrafeedback-k4", 4, 2, vocab_size=96, seed=2, length_scale=0.03)
+    assert w.num_pairs == 12
+    policy, reference = _policy_and_reference("llama", torch.float32)
+    for group in w.groups:
+        examples = [w.examples[i] for i in group]
+        with torch.no_grad():
+            stock_pol = separate_pass_logps(policy, examples)  # [4 per example]
+            stock_ref = separate_pass_logps(reference, examples)
+        better = torch.tensor([4 * e + i for e, ex in enumerate(examples) for i, _ in ex.pairs])
+        worse = torch.tensor([4 * e + j for e, ex in enumerate(examples) for _, j in ex.pairs])
+        stock_loss = sigmoid_loss(stock_pol[better] - stock_ref[better], stock_pol[worse] - stock_ref[worse], BETA)
+        L = common_pack_length(examples)
+        for mode in MODES:
+            batch = layout_group(examples, mode, pack_length=L)
+            n_seq = int(batch.pair_better.numel() * 2) if mode.startswith("paired") else 4 * len(examples)
+            assert batch.num_real_tokens == (
+                sum(len(s.prompt_ids) + len(r) for ex in examples for s in standard_examples(ex) for r in s.response_ids)
+                if mode.startswith("paired") else sum(ex.shared_length for ex in examples))
+            if mode == "paired":
+                assert batch.input_ids.shape[0] == n_seq == 6 * len(examples)
+            if mode == "shared":
+                assert batch.input_ids.shape[0] == len(examples)
+            prepare_model(policy, "sdpa")
+            prepare_model(reference, "sdpa")
+            with torch.no_grad():
+                pol = compute_response_logps(policy, batch, backend="sdpa").sums
+                ref = compute_response_logps(reference, batch, backend="sdpa").sums
+            b, wr = batch.pair_better, batch.pair_worse
+            loss = sigmoid_loss(pol[b] - ref[b], pol[wr] - ref[wr], BETA)
+            torch.testing.assert_close(loss, stock_loss, rtol=0, atol=1e-5, msg=lambda m: f"mode {mode}: {m}")
+
+    # The FLOP model's standard side counts 2 sequences per pair: by hand for prompt 3, responses 2, 1, 1, 1.
+    tiny = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    from prefixdpo.data.example import Example
+    ex = Example((5, 6, 7), ((8, 9), (4,), (5,), (6,)), ((0, 1), (0, 2), (0, 3)))
+    # 6 sequences: 3 x [ppp aa] (5 tokens, 15 attention pairs, 2 head positions) + 3 x [ppp b] (4, 10, 1).
+    assert standard_flop_count(tiny, ex).body == 2 * 288 * (3 * 5 + 3 * 4)
+    assert standard_flop_count(tiny, ex).attention == 2 * 4 * 2 * 2 * (3 * 15 + 3 * 10)
+    assert standard_flop_count(tiny, ex).lm_head == 2 * 4 * 10 * (3 * 2 + 3 * 1)
+    # shared row [ppp aa b c d]: 8 tokens; 6 + (2*3+3) + 3 x (3+1) = 27 attention pairs; 5 head positions.
+    assert shared_flop_count(tiny, ex).body == 2 * 288 * 8
+    assert shared_flop_count(tiny, ex).attention == 2 * 4 * 2 * 2 * 27
+    assert ideal_speedup(tiny, w.examples) > ideal_speedup(tiny, [standard_examples(e)[0] for e in w.examples])

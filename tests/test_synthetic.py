@@ -76,3 +76,22 @@ def test_bad_arguments():
         synthetic_lengths("tldr", 3, max_length=2)
     with pytest.raises(ValueError, match="num_responses"):
         synthetic_lengths("tldr", 3, num_responses=1)
+
+
+def test_multi_response_profile_is_best_vs_each_with_ultrafeedback_lengths():
+    from prefixdpo.data.synthetic import BENCH_PROFILES, MULTI_RESPONSE_PROFILES, synthetic_pairs
+
+    prof = MULTI_RESPONSE_PROFILES["ultrafeedback-k4"]
+    assert list(BENCH_PROFILES) == list(PROFILES) + ["ultrafeedback-k4"]
+    assert (prof.median_total, prof.prompt_completion_ratio) == (PROFILES["ultrafeedback"].median_total,
+                                                                 PROFILES["ultrafeedback"].prompt_completion_ratio)
+    exs = synthetic_examples("ultrafeedback-k4", 50, vocab_size=100, seed=3)
+    assert all(ex.num_responses == 4 and ex.pairs == ((0, 1), (0, 2), (0, 3)) for ex in exs)
+    # Prompts are UltraFeedback's for the same seed (drawn before the responses).
+    two = synthetic_examples("ultrafeedback", 50, vocab_size=100, seed=3)
+    assert [len(e.prompt_ids) for e in exs] == [len(e.prompt_ids) for e in two]
+    # The profile's K and policy can be overridden; an unknown policy is named.
+    assert synthetic_examples("ultrafeedback-k4", 2, vocab_size=100, num_responses=3, pairs_policy="best_vs_worst")[0].pairs == ((0, 2),)
+    assert synthetic_pairs(3, "best_vs_each") == ((0, 1), (0, 2))
+    with pytest.raises(ValueError, match="unknown pairs policy 'all'"):
+        synthetic_examples("ultrafeedback-k4", 2, vocab_size=100, pairs_policy="all")

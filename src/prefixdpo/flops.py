@@ -31,6 +31,7 @@ __all__ = [
     "FlopCount",
     "LLAMA_3_1_8B",
     "forward_flops",
+    "standard_sequences",
     "standard_flop_count",
     "shared_flop_count",
     "standard_flops",
@@ -147,13 +148,28 @@ def _lengths(example: Example | tuple[int, Sequence[int]]) -> tuple[int, list[in
     return int(prompt_len), [int(r) for r in response_lens]
 
 
+def standard_sequences(example: Example | tuple[int, Sequence[int]]) -> tuple[int, list[int]]:
+    """(prompt length, response length of every `[prompt][response]` sequence standard DPO runs).
+
+    An Example runs as TRL runs a preference record: one (chosen, rejected) pair of sequences per
+    preference pair, so K = 4 responses trained best-vs-each (3 pairs) are 6 sequences, the best
+    response 3 times. A (prompt_length, [response lengths]) tuple carries no pairs: each response once
+    (for two responses, the one pair).
+    """
+    p, responses = _lengths(example)
+    if isinstance(example, Example):
+        responses = [responses[k] for pair in example.pairs for k in pair]
+    return p, responses
+
+
 def standard_flop_count(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> FlopCount:
-    """Standard DPO: each response its own causal [prompt][response] sequence of n = P + R tokens,
-    n(n+1)/2 allowed pairs, R LM-head positions (prompt's last token .. response's second-to-last).
+    """Standard DPO: each sequence of `standard_sequences` its own causal [prompt][response] of
+    n = P + R tokens, n(n+1)/2 allowed pairs, R LM-head positions (prompt's last token .. response's
+    second-to-last).
 
     example: an Example, or (prompt_length, [response lengths]) for length-only workloads.
     """
-    p, responses = _lengths(example)
+    p, responses = standard_sequences(example)
     count = FlopCount(0, 0, 0)
     for r in responses:
         n = p + r
@@ -162,9 +178,9 @@ def standard_flop_count(shape: ModelShape, example: Example | tuple[int, Sequenc
 
 
 def shared_flop_count(shape: ModelShape, example: Example | tuple[int, Sequence[int]]) -> FlopCount:
-    """Prefix sharing: one row, prompt once then every response; the prompt attends causally
-    (P(P+1)/2 pairs) and each response of R tokens to the whole prompt and causally to itself
-    (R*P + R(R+1)/2 pairs). LM-head positions are the same as standard's."""
+    """Prefix sharing: one row, prompt once then every response (each once, whatever the pairs); the
+    prompt attends causally (P(P+1)/2 pairs) and each response of R tokens to the whole prompt and
+    causally to itself (R*P + R(R+1)/2 pairs). LM-head positions: every response token once."""
     p, responses = _lengths(example)
     pairs = p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in responses)
     return forward_flops(shape, p + sum(responses), pairs, sum(responses))
@@ -181,7 +197,10 @@ def shared_flops(shape: ModelShape, example: Example | tuple[int, Sequence[int]]
 
 
 def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]]) -> float:
-    """sum standard FLOPs / sum prefix-shared FLOPs over a workload (>= 1).
+    """sum standard FLOPs / sum prefix-shared FLOPs over a workload (>= 1 for pairwise records).
+
+    For K responses paired best-vs-each, standard DPO runs 2(K-1) sequences and the shared row K
+    responses once: the ideal grows with K (the saving is the repeated prompt AND the repeated best).
 
     The training step's 3x (forward + backward) for the policy and 1x reference forward multiply both
     sides by the same factor, so this forward-FLOP ratio is also the step-FLOP ratio.

@@ -1,7 +1,8 @@
 """The four benchmark modes: how one group of examples is laid out into a `Batch`.
 
-    paired         standard DPO as TRL runs it: each response its own `[prompt][response]` line,
-                   padded to the longest line of the group (two lines per pair).
+    paired         standard DPO as TRL runs it: each preference pair its own record, each side its own
+                   `[prompt][response]` line, padded to the longest line of the group (two lines per
+                   pair; K = 4 responses best-vs-each = 3 pairs = 6 lines, see `standard_examples`).
     paired-packed  standard DPO, padding-free: the same `[prompt][response]` sequences, each its own
                    document, bin-packed into lines of the common pack length (as OpenRLHF packs them).
     shared         prefix sharing: one `[prompt][resp 0][resp 1]...` line per example, padded.
@@ -27,9 +28,19 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
-__all__ = ["MODES", "common_pack_length", "bucket_length", "layout_group"]
+__all__ = ["MODES", "common_pack_length", "bucket_length", "layout_group", "standard_examples"]
 
 MODES = ("paired", "paired-packed", "shared", "shared-packed")
+
+
+def standard_examples(example: Example) -> list[Example]:
+    """The records standard DPO trains on for `example`: one two-response Example per preference pair
+    (response order (better, worse), pairs ((0, 1),)), as a TRL dataset holds a multi-response record
+    split by its pairs. A two-response, one-pair example is returned unchanged."""
+    if example.num_responses == 2 and len(example.pairs) == 1:
+        return [example]
+    return [Example(example.prompt_ids, (example.response_ids[i], example.response_ids[j]), ((0, 1),),
+                    example.source_index, example.meta) for i, j in example.pairs]
 
 
 def common_pack_length(examples: Sequence[Example], multiple: int = 128) -> int:
@@ -51,10 +62,13 @@ def layout_group(
                  ONE line, padded to a multiple of 128 (the paper's layout: one packed line per device
                  batch; worth it only with an attention that skips masked blocks, segmented or flex).
     bucketed:    round padded line lengths up with `bucket_length` (CUDA/flex); else pad to the longest.
-    The Batch's responses and pairs are in example order in every mode, so per-pair results compare.
+    The Batch's pairs are in example order in every mode, so per-pair results compare (the standard
+    modes run `standard_examples`: their responses are the pairs' sides, two per pair).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode.startswith("paired"):
+        examples = [std for ex in examples for std in standard_examples(ex)]
     if mode in ("paired", "shared"):
         sharing = mode == "shared"
         longest = max(ex.shared_length if sharing else len(ex.prompt_ids) + max(map(len, ex.response_ids))

@@ -179,7 +179,7 @@ def run_workload(
         if fast in seconds and base in seconds
     }
     paper = None
-    if workload.profile is not None:
+    if workload.profile is not None and workload.profile.name in PAPER:  # the paper has no multi-response profile
         p = PAPER[workload.profile.name]
         paper = {
             "unpacked_samples_per_s": p.unpacked._asdict(),

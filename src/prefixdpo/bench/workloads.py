@@ -5,7 +5,8 @@ A workload is a list of `Example`s in a fixed order plus `groups`: consecutive r
 so all four modes do the same number of steps on the same examples in the same order.
 
 Synthetic workloads follow the paper's six length profiles (`prefixdpo.data.synthetic.PROFILES`:
-median overall length, prompt/completion ratio, lognormal spread, seeded). `length_scale` < 1
+median overall length, prompt/completion ratio, lognormal spread, seeded), or a multi-response one
+(`MULTI_RESPONSE_PROFILES`: 4 completions per prompt, best vs each: 3 pairs per example). `length_scale` < 1
 shrinks both medians by the same factor (the prompt/completion ratio, hence the token saving, is
 kept): the default and quick runs use it to fit a CPU time budget, and the report states it.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from prefixdpo.data.example import Example
-from prefixdpo.data.synthetic import PROFILES, LengthProfile, synthetic_examples
+from prefixdpo.data.synthetic import BENCH_PROFILES, LengthProfile, synthetic_examples
 from prefixdpo.errors import UserError
 
 __all__ = ["Workload", "scaled_profile", "synthetic_workload", "dataset_workload", "fixed_groups"]
@@ -66,12 +67,14 @@ def synthetic_workload(
     seed: int = 0,
     length_scale: float = 1.0,
     max_length: int | None = None,
-    num_responses: int = 2,
+    num_responses: int | None = None,
 ) -> Workload:
-    """`n_examples` seeded synthetic examples of the named paper profile, grouped into steps."""
-    if name not in PROFILES:
-        raise UserError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
-    prof = PROFILES[name]
+    """`n_examples` seeded synthetic examples of the named profile (`BENCH_PROFILES`), grouped into steps.
+
+    num_responses: None = the profile's (2, or 4 for the multi-response profile)."""
+    if name not in BENCH_PROFILES:
+        raise UserError(f"unknown profile {name!r}; known: {', '.join(BENCH_PROFILES)}")
+    prof = BENCH_PROFILES[name]
     examples = synthetic_examples(
         scaled_profile(prof, length_scale), n_examples, vocab_size=vocab_size, seed=seed,
         num_responses=num_responses, max_length=max_length,

@@ -11,6 +11,12 @@ Assumptions of ours (the paper gives medians only):
   (0.5 for all six by default: a factor-of-1.65 spread at one sigma), drawn independently, so chosen
   and rejected lengths differ as they do in real data;
 - prompt median = median_total * ratio / (1 + ratio), completion median = median_total / (1 + ratio).
+
+Besides the paper's six pairwise profiles, `MULTI_RESPONSE_PROFILES` holds UltraFeedback-like records
+with 4 completions per prompt (UltraFeedback rates 4 completions per prompt) trained `best_vs_each`: 3
+pairs per record. Prefix sharing runs the prompt and the 4 responses once in one row; standard DPO runs 3
+pairs = 6 `[prompt][response]` sequences (the best response 3 times). The paper has no such profile.
+`BENCH_PROFILES` is both together, in the benchmark's order.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ import numpy as np
 from prefixdpo.data.example import Example
 from prefixdpo.errors import ConfigError
 
-__all__ = ["LengthProfile", "PROFILES", "NUM_SPECIAL_IDS", "synthetic_lengths", "synthetic_examples"]
+__all__ = [
+    "LengthProfile", "PROFILES", "MULTI_RESPONSE_PROFILES", "BENCH_PROFILES", "PAIRS_POLICIES", "NUM_SPECIAL_IDS",
+    "synthetic_lengths", "synthetic_examples", "synthetic_pairs",
+]
+
+# How the K responses of a synthetic record are paired (response 0 is the best, K-1 the worst).
+PAIRS_POLICIES = ("best_vs_worst", "best_vs_each")
 
 # Token ids below this are never generated: tokenizers built locally for tests put pad/bos/eos/unk
 # at ids 0..3, and a special token inside a prompt or response would change what a model or a
@@ -38,12 +50,16 @@ class LengthProfile:
     median_total:            median of prompt + ONE completion, in tokens (HH-RLHF: 186).
     prompt_completion_ratio: median prompt length / median completion length (HH-RLHF: 2.15).
     sigma:                   lognormal shape of each length (our assumption, see module docstring).
+    num_responses:           completions per prompt (K); each drawn around median_completion.
+    pairs_policy:            how the K responses are paired (`PAIRS_POLICIES`).
     """
 
     name: str
     median_total: float
     prompt_completion_ratio: float
     sigma: float = 0.5
+    num_responses: int = 2
+    pairs_policy: str = "best_vs_worst"
 
     @property
     def median_prompt(self) -> float:
@@ -67,14 +83,34 @@ PROFILES: dict[str, LengthProfile] = {
     )
 }
 
+# UltraFeedback's lengths (prompt + one completion, as above), 4 completions per prompt, best vs each other.
+MULTI_RESPONSE_PROFILES: dict[str, LengthProfile] = {
+    p.name: p
+    for p in (LengthProfile("ultrafeedback-k4", 409.0, 0.42, num_responses=4, pairs_policy="best_vs_each"),)
+}
+
+BENCH_PROFILES: dict[str, LengthProfile] = {**PROFILES, **MULTI_RESPONSE_PROFILES}
+
 
 def _get_profile(profile: LengthProfile | str) -> LengthProfile:
     if isinstance(profile, LengthProfile):
         return profile
     try:
-        return PROFILES[profile]
+        return BENCH_PROFILES[profile]
     except KeyError:
-        raise ConfigError(f"unknown length profile {profile!r}; known: {', '.join(PROFILES)}") from None
+        raise ConfigError(f"unknown length profile {profile!r}; known: {', '.join(BENCH_PROFILES)}") from None
+
+
+def synthetic_pairs(num_responses: int, policy: str = "best_vs_worst") -> tuple[tuple[int, int], ...]:
+    """Preference pairs of a synthetic record whose response 0 is the best and K-1 the worst.
+
+    best_vs_worst: ((0, K-1),); best_vs_each: ((0, 1), ..., (0, K-1)), K-1 pairs.
+    """
+    if policy == "best_vs_worst":
+        return ((0, num_responses - 1),)
+    if policy == "best_vs_each":
+        return tuple((0, k) for k in range(1, num_responses))
+    raise ConfigError(f"unknown pairs policy {policy!r}; known: {', '.join(PAIRS_POLICIES)}")
 
 
 def synthetic_lengths(
@@ -82,7 +118,7 @@ def synthetic_lengths(
     n: int,
     *,
     seed: int = 0,
-    num_responses: int = 2,
+    num_responses: int | None = None,
     max_length: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Prompt and response lengths only (fast: no token ids), as `synthetic_examples` draws them.
@@ -93,9 +129,10 @@ def synthetic_lengths(
     paper's code capped prompt + the longer response instead and could overflow its pack length. A
     row over the cap has every part scaled down by the same factor (keeping its prompt/response
     shape, as truncation would), then trimmed token by token from the longest part if rounding left it
-    over. Requires max_length >= 1 + num_responses.
+    over. Requires max_length >= 1 + num_responses. num_responses None = the profile's.
     """
     prof = _get_profile(profile)
+    num_responses = prof.num_responses if num_responses is None else num_responses
     if n < 0:
         raise ConfigError(f"n must be >= 0, got {n}")
     if num_responses < 2:
@@ -126,25 +163,28 @@ def synthetic_examples(
     *,
     vocab_size: int,
     seed: int = 0,
-    num_responses: int = 2,
+    num_responses: int | None = None,
     max_length: int | None = None,
+    pairs_policy: str | None = None,
 ) -> list[Example]:
     """`n` random Examples whose lengths follow `profile` (see `synthetic_lengths` for the lengths).
 
     Token ids are uniform in [NUM_SPECIAL_IDS, vocab_size) (ids 0..3 are left to special tokens).
-    Preference pairs: ((0, 1),) for two responses; for K > 2 responses, response 0 is taken as the best
-    and K-1 as the worst, pairs = ((0, K-1),) (best vs worst, as for UltraFeedback-style data).
+    Preference pairs: response 0 is taken as the best and K-1 as the worst; `synthetic_pairs` with
+    pairs_policy (None = the profile's): ((0, K-1),) best vs worst, or best_vs_each's K-1 pairs.
+    num_responses None = the profile's.
     source_index is -1 (synthetic); meta records the profile name and the record's number.
-    Deterministic given (profile, n, seed, num_responses, max_length, vocab_size).
+    Deterministic given (profile, n, seed, num_responses, max_length, vocab_size, pairs_policy).
     """
     if vocab_size <= NUM_SPECIAL_IDS:
         raise ConfigError(f"vocab_size must exceed {NUM_SPECIAL_IDS} (ids below it are reserved), got {vocab_size}")
     prof = _get_profile(profile)
+    num_responses = prof.num_responses if num_responses is None else num_responses
+    pairs = synthetic_pairs(num_responses, prof.pairs_policy if pairs_policy is None else pairs_policy)
     prompt_len, resp_len = synthetic_lengths(prof, n, seed=seed, num_responses=num_responses, max_length=max_length)
     # A separate stream for token ids, so the lengths equal synthetic_lengths' for the same seed.
     rng = np.random.default_rng([int(seed), 1])
     tokens = rng.integers(NUM_SPECIAL_IDS, vocab_size, size=int(prompt_len.sum() + resp_len.sum())).tolist()
-    pairs = ((0, 1),) if num_responses == 2 else ((0, num_responses - 1),)
     out: list[Example] = []
     pos = 0
     for i in range(n):
