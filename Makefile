@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-quick clean
+.PHONY: setup test demo bench bench-quick gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/prefixdpo bench --quick
+
+# The GPU machine's own python (torch and transformers already there; no venv, nothing installed).
+# Writes gpu-check.json and gpu-check.md into $(OUT) (default gpu-check-results).
+OUT ?= gpu-check-results
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m prefixdpo.gpu_check --out "$(OUT)"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,97 @@
+"""`make gpu-check` on CPU: one line and exit 0; its CPU-reachable pieces (plan, exactness checks on
+sdpa, table, reports, exit status); the modules it imports never import `datasets` or TRL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixdpo import gpu_check
+from prefixdpo.gpu_check import CheckResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_gpu_check_without_cuda_prints_one_line_and_exits_0(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={sys.executable}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == [proc.stdout.strip()]
+    assert proc.stdout.startswith("gpu-check: no CUDA device")
+    assert not (tmp_path / "out").exists()  # nothing checked, nothing written
+
+
+def test_plan_covers_every_arch_dtype_backend_and_profile():
+    plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"])
+    verify = [n for s, n in plan if s == "verify"]
+    assert len(verify) == 5 * 2 * 3 and "gemma2 bfloat16 varlen" in verify and "qwen3 float32 flex" in verify
+    assert [n for s, n in plan if s == "train"] == ["llama float32 flex", "llama float32 varlen", "llama float32 sdpa"]
+    bench = [n for s, n in plan if s == "bench"]
+    assert len(bench) == 7 * 3 and "ultrafeedback-k4 varlen" in bench and "capybara sdpa" in bench
+    # Without varlen in the install the plan simply lacks it; sections can be chosen.
+    assert all("varlen" not in n for _, n in gpu_check.planned_checks(["flex", "sdpa"]))
+    assert {s for s, _ in gpu_check.planned_checks(["flex"], sections=("train",))} == {"train"}
+    # This install's backends, in the order checked: flex first, sdpa (the floor) last.
+    backends = gpu_check.attention_backends()
+    assert backends[0] == "flex" and backends[-1] == "sdpa"
+
+
+def test_exactness_checks_pass_on_cpu_sdpa_and_report_unsupported_models():
+    train = gpu_check.train_check("sdpa", "cpu")
+    assert train.status == "ok", train.detail
+    assert train.numbers["weight_moved"] > 1e-3 and train.numbers["loss_diff"] <= gpu_check.TRAIN_LOSS_TOL
+    assert train.numbers["losses_paired"][0] == pytest.approx(0.6931472, abs=1e-6)  # step 1: policy == reference
+    assert len(set(train.numbers["losses_paired"])) == gpu_check.TRAIN_STEPS  # later steps moved
+    verify = gpu_check.verify_check("qwen2", "float32", "sdpa", "cpu")
+    assert verify.status == "ok" and verify.numbers["logp"] <= 1e-5 and verify.numbers["grad"] > 0, verify.detail
+    gemma = gpu_check.verify_check("gemma2", "float32", "sdpa", "cpu")
+    assert gemma.status == "n/a" and "soft-capping" in gemma.detail
+
+
+def test_table_reports_and_exit_status(tmp_path):
+    results = [
+        CheckResult("verify", "llama float32 flex", "ok", "rel dlogp 1e-07"),
+        CheckResult("verify", "gemma2 float32 sdpa", "n/a", "soft-capping"),
+        CheckResult("bench", "hh-rlhf flex", "error", "RuntimeError: a | b"),
+        CheckResult("bench", "tldr sdpa", "skipped", "time budget spent", {"x": 1}),
+    ]
+    table = gpu_check.format_table(results).splitlines()
+    assert table[0].split() == ["section", "check", "status", "detail"] and set(table[1]) == {"-"}
+    assert len(table) == 2 + len(results) and table[2].index("ok") == table[0].index("status")
+    # Bench errors and skips never fail the run; a verify or train failure or error does.
+    assert gpu_check.exit_status(results) == 0
+    assert gpu_check.exit_status(results + [CheckResult("train", "llama float32 flex", "error", "boom")]) == 1
+    assert gpu_check.exit_status(results + [CheckResult("verify", "qwen2 bfloat16 sdpa", "FAIL", "")]) == 1
+
+    paths = gpu_check.write_reports(results, {"device": "test"}, tmp_path / "o")
+    assert [p.name for p in paths] == ["gpu-check.json", "gpu-check.md"]
+    data = json.loads(paths[0].read_text())
+    assert data["meta"] == {"device": "test"} and data["results"][3]["numbers"] == {"x": 1}
+    assert data["verdict"] == "all exactness checks passed"
+    md = paths[1].read_text()
+    assert "## verify" in md and "## bench" in md and "## train" not in md
+    assert "| hh-rlhf flex | error | RuntimeError: a / b |" in md  # a '|' in a detail cannot break the table
+
+
+def test_package_imports_without_datasets_or_trl():
+    """The GPU machine has neither `datasets` nor TRL: what gpu-check, verify and bench import must not
+    need them at module level (a finder that refuses them stands in for their absence)."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('datasets', 'trl'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import prefixdpo.gpu_check, prefixdpo.verify, prefixdpo.bench.runner, prefixdpo.bench.step\n"
+        "import prefixdpo.bench.model, prefixdpo.bench.workloads, prefixdpo.commands.verify, prefixdpo.cli\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
