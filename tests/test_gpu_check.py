@@ -95,3 +95,26 @@ def test_package_imports_without_datasets_or_trl():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_trainer_imports_and_trains_where_trl_and_datasets_are_absent():
+    """As on the GPU machine: `datasets` and TRL cannot be found at all (the path finder reports them
+    missing), yet the trainer imports and runs a step on Examples; only option parsing needs TRL."""
+    code = (
+        "import sys, importlib.machinery as m\n"
+        "find = m.PathFinder.find_spec\n"
+        "def hidden(cls, name, path=None, target=None):\n"
+        "    return None if name.split('.')[0] in ('datasets', 'trl') else find(name, path, target)\n"
+        "m.PathFinder.find_spec = classmethod(hidden)\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from conftest import make_examples, tiny_model\n"
+        "from prefixdpo.config import PrefixDPOConfig\n"
+        "from prefixdpo.trainer import PrefixDPOTrainer\n"
+        "assert 'trl' not in sys.modules and 'datasets' not in sys.modules\n"
+        "args = PrefixDPOConfig(output_dir='/tmp/no-trl', max_steps=1, use_cpu=True, report_to='none',\n"
+        "                       save_strategy='no', disable_tqdm=True, gradient_checkpointing=False)\n"
+        "PrefixDPOTrainer(model=tiny_model('llama'), args=args, train_dataset=make_examples(4)).train()\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -15,13 +15,13 @@ overrides on top of it, returning the config plus the model and dataset options 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
 
 from transformers import TrainingArguments
-from trl import TrlParser
 
 from prefixdpo.attention.backends import BACKENDS
 from prefixdpo.errors import ConfigError, UserError
@@ -373,88 +373,102 @@ def _json_object(text: str) -> dict | None:
     return value
 
 
-class TrainArgumentParser(TrlParser):
-    """The options of `prefixdpo train`: every field of `PrefixDPOConfig`, `ModelArguments`, `DataArguments`.
+@functools.cache
+def _train_argument_parser() -> type:
+    # TRL is imported only when options are parsed: training through the Python API (and the GPU check, on a
+    # machine without TRL or `datasets`) must not need it.
+    from trl import TrlParser
 
-    TRL's `TrlParser` (an `HfArgumentParser` whose `T | None` options also take `none`, e.g.
-    `--max_length none`), plus:
-    - every boolean option X takes `--X`, `--X true|false` and `--no_X` (HfArgumentParser adds `--no_X`
-      only where X defaults to True, and `--X` alone only where the default is not None);
-    - no abbreviations: a misspelt option is an error, never a silent match of a longer one;
-    - every parse error raises `ConfigError` (one line) instead of printing usage and exiting.
-    Options are spelled with underscores or dashes (`--lora_r 8` == `--lora-r 8`).
-    """
+    class TrainArgumentParser(TrlParser):
+        """The options of `prefixdpo train`: every field of `PrefixDPOConfig`, `ModelArguments`, `DataArguments`.
 
-    def __init__(self, **kwargs):
-        super().__init__((PrefixDPOConfig, ModelArguments, DataArguments), allow_abbrev=False, **kwargs)
-        for dc in self.dataclass_types:
-            hints = get_type_hints(dc)
-            for f in fields(dc):
-                hint = hints[f.name]
-                if f.init and (hint is bool or bool in get_args(hint)):
-                    self._complete_bool_option(f.name)
-                elif f.init and str not in get_args(hint) and dict in map(get_origin, (hint, *get_args(hint))):
-                    # HfArgumentParser calls dict(text), which no text passes; `dict | str` fields take JSON already
-                    self._option_string_actions[f"--{f.name}"].type = _json_object
-        self.configured: set[str] = set()  # options the config file sets
+        TRL's `TrlParser` (an `HfArgumentParser` whose `T | None` options also take `none`, e.g.
+        `--max_length none`), plus:
+        - every boolean option X takes `--X`, `--X true|false` and `--no_X` (HfArgumentParser adds `--no_X`
+          only where X defaults to True, and `--X` alone only where the default is not None);
+        - no abbreviations: a misspelt option is an error, never a silent match of a longer one;
+        - every parse error raises `ConfigError` (one line) instead of printing usage and exiting.
+        Options are spelled with underscores or dashes (`--lora_r 8` == `--lora-r 8`).
+        """
 
-    def _complete_bool_option(self, name: str) -> None:
-        action = self._option_string_actions[f"--{name}"]
-        action.nargs, action.const = "?", True
-        if f"--no_{name}" not in self._option_string_actions:
-            self.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}", action="store_false",
-                              dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        def __init__(self, **kwargs):
+            super().__init__((PrefixDPOConfig, ModelArguments, DataArguments), allow_abbrev=False, **kwargs)
+            for dc in self.dataclass_types:
+                hints = get_type_hints(dc)
+                for f in fields(dc):
+                    hint = hints[f.name]
+                    if f.init and (hint is bool or bool in get_args(hint)):
+                        self._complete_bool_option(f.name)
+                    elif f.init and str not in get_args(hint) and dict in map(get_origin, (hint, *get_args(hint))):
+                        # HfArgumentParser calls dict(text), which no text passes; `dict | str` fields take JSON already
+                        self._option_string_actions[f"--{f.name}"].type = _json_object
+            self.configured: set[str] = set()  # options the config file sets
 
-    def error(self, message: str):
-        raise ConfigError(message)
+        def _complete_bool_option(self, name: str) -> None:
+            action = self._option_string_actions[f"--{name}"]
+            action.nargs, action.const = "?", True
+            if f"--no_{name}" not in self._option_string_actions:
+                self.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}", action="store_false",
+                                  dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    def read_config_file(self, path: str) -> None:
-        """YAML (or JSON) `option: value` pairs become the defaults that command-line options override."""
-        import yaml
+        def error(self, message: str):
+            raise ConfigError(message)
 
-        try:
-            with open(path, encoding="utf-8") as fh:
-                values = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of option: value at the top level")
-        defaults, unknown = {}, []
-        for key, value in values.items():
-            action = self._option_string_actions.get(f"--{key}")
-            if action is None or action.nargs == 0:  # not an option, or a flag like --no_packing / --help
-                unknown.append(str(key))
-                continue
-            if action.nargs == "+" and not isinstance(value, list):
-                value = [value]  # `loss_type: sigmoid` is the one-item list
-            defaults[action.dest] = value
-        if unknown:
-            raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}")
-        self.set_defaults_with_config(**defaults)
-        self.configured |= set(defaults)
+        def read_config_file(self, path: str) -> None:
+            """YAML (or JSON) `option: value` pairs become the defaults that command-line options override."""
+            import yaml
 
-    def names_model_or_dataset(self, argv: list[str]) -> bool:
-        """Whether the config file or `argv` sets the model or the dataset."""
-        namespace, _ = self.parse_known_args(argv)
-        return namespace.model_name_or_path is not None or namespace.dataset_name is not None
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    values = yaml.safe_load(fh) or {}
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: expected a mapping of option: value at the top level")
+            defaults, unknown = {}, []
+            for key, value in values.items():
+                action = self._option_string_actions.get(f"--{key}")
+                if action is None or action.nargs == 0:  # not an option, or a flag like --no_packing / --help
+                    unknown.append(str(key))
+                    continue
+                if action.nargs == "+" and not isinstance(value, list):
+                    value = [value]  # `loss_type: sigmoid` is the one-item list
+                defaults[action.dest] = value
+            if unknown:
+                raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}")
+            self.set_defaults_with_config(**defaults)
+            self.configured |= set(defaults)
 
-    def parse(self, argv: list[str]) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
-        """Command-line options over the defaults; unknown options and bad values raise `ConfigError`."""
-        namespace, rest = self.parse_known_args(argv)
-        options = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
-        if options:
-            raise ConfigError(f"unknown option(s) {', '.join(options)} (see prefixdpo train --help)")
-        if rest:
-            raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: only the first argument may be a config file")
-        try:
-            config, model_args, data_args = self.parse_dict(vars(namespace))
-        except UserError:
-            raise
-        except ValueError as err:  # TrainingArguments' own checks of option values and combinations
-            raise ConfigError(str(err)) from err
-        return config, model_args, data_args
+        def names_model_or_dataset(self, argv: list[str]) -> bool:
+            """Whether the config file or `argv` sets the model or the dataset."""
+            namespace, _ = self.parse_known_args(argv)
+            return namespace.model_name_or_path is not None or namespace.dataset_name is not None
+
+        def parse(self, argv: list[str]) -> tuple[PrefixDPOConfig, ModelArguments, DataArguments]:
+            """Command-line options over the defaults; unknown options and bad values raise `ConfigError`."""
+            namespace, rest = self.parse_known_args(argv)
+            options = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
+            if options:
+                raise ConfigError(f"unknown option(s) {', '.join(options)} (see prefixdpo train --help)")
+            if rest:
+                raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: only the first argument may be a config file")
+            try:
+                config, model_args, data_args = self.parse_dict(vars(namespace))
+            except UserError:
+                raise
+            except ValueError as err:  # TrainingArguments' own checks of option values and combinations
+                raise ConfigError(str(err)) from err
+            return config, model_args, data_args
+
+    return TrainArgumentParser
+
+
+def __getattr__(name: str):
+    if name == "TrainArgumentParser":  # PEP 562: built on first use (see `_train_argument_parser`)
+        return _train_argument_parser()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_train_args(
@@ -467,7 +481,7 @@ def parse_train_args(
     parser_kwargs: passed to `TrainArgumentParser` (usage, description of the help).
     """
     argv = list(argv or [])
-    parser = TrainArgumentParser(**parser_kwargs)
+    parser = _train_argument_parser()(**parser_kwargs)
     if argv and not argv[0].startswith("-"):
         parser.read_config_file(argv.pop(0))
     if demo_defaults and not parser.names_model_or_dataset(argv):

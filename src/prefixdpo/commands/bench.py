@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--model-size", default=None, choices=["default", "quick", "medium"],
                    help="built-in random Llama-shaped model size")
     p.add_argument("--device", default="cpu", help="cpu (fp32, SDPA) or cuda (bf16, compiled FlexAttention)")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "segmented", "flex"],
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "segmented", "flex", "varlen"],
                    help="attention backend for every mode (auto: flex on CUDA, segmented on CPU)")
     p.add_argument("--packing", default="auto", choices=["auto", "lines", "step"],
                    help="packed modes: 'lines' = bin-pack into lines of the common pack length; 'step' = each "
@@ -93,7 +93,7 @@ def _idle_cores() -> int:
 
 def _workloads(args, settings, vocab_size: int):
     from prefixdpo.bench.workloads import dataset_workload, synthetic_workload
-    from prefixdpo.data.synthetic import PROFILES
+    from prefixdpo.data.synthetic import BENCH_PROFILES as PROFILES  # the paper's six + multi-response
 
     if args.dataset:
         tokenizer = args.tokenizer or args.model
