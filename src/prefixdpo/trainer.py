@@ -19,6 +19,7 @@ packing spread the pairs over micro-batches.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -63,6 +64,7 @@ class PrefixDPOTrainer(Trainer):
         if not isinstance(args, PrefixDPOConfig):
             raise TypeError("args must be a PrefixDPOConfig")
         self.backend = resolve_backend(args.attention, args.device, needs_grad=True)  # once, for every pass
+        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
         model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
                                                  tokenizer=processing_class)
 
