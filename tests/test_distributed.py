@@ -85,6 +85,10 @@ SCRIPT = textwrap.dedent(
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as fh:
             json.dump(results, fh)
+    if torch.distributed.is_initialized():
+        # leave together: a rank exiting while gloo's threads still run aborts with "terminate called"
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     """
 )
 
