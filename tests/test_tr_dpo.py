@@ -20,11 +20,10 @@ import test_trl_parity as parity
 from conftest import tiny_model
 from prefixdpo.callbacks import SyncReferenceCallback, tr_dpo_callback
 from prefixdpo.config import PrefixDPOConfig
-from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.errors import ConfigError
 from prefixdpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
 from prefixdpo.trainer import PrefixDPOTrainer
-from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, parity_records, run_ours, run_trl, shared_options
+from test_trl_parity import REWARD_ATOL, compare, parity_setup, run_ours, run_trl, shared_options
 
 TR_DPO = dict(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
 
@@ -180,15 +179,7 @@ def patch_harness(monkeypatch, trl_extra: dict, our_extra: dict, trainers: list)
 
 @pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
 def test_per_step_metrics_equal_trl_dpo_trainer_with_sync_ref_model(tmp_path, monkeypatch, packing):
-    pytest.importorskip("trl")
-    import datasets
-    from transformers.utils import logging as hf_logging
-
-    datasets.disable_progress_bars()
-    hf_logging.set_verbosity_error()
-    records = parity_records(16)
-    tokenizer = build_tiny_tokenizer()
-    base = tiny_model("llama", vocab_size=len(tokenizer))
+    records, tokenizer, base = parity_setup()
     options = shared_options(tmp_path, "run", 4, 1)
     layout = PACKED if packing else {}
     trainers: list = []
@@ -206,14 +197,8 @@ def test_per_step_metrics_equal_trl_dpo_trainer_with_sync_ref_model(tmp_path, mo
     assert our_batches == trl_batches and len(trl_batches) == 4  # the same records, step for step
     assert len(trl_logs) == len(our_logs) == len(frozen_logs) == 4
 
-    rows = []
-    for step, (t, o) in enumerate(zip(trl_logs, our_logs), start=1):
-        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= LOGPS_RTOL * abs(t[key])))
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= REWARD_ATOL))
-    table = "\n".join(f"step {s} {k:17s} trl {a: .8f} ours {b: .8f} diff {a - b: .2e}" for s, k, a, b, _ in rows)
-    assert all(ok for *_, ok in rows), table
+    oks, table = compare(trl_logs, our_logs)
+    assert all(oks), table
 
     # The sync matters: the reference moved at the end of step 2 (not before), so steps 1-2 equal the frozen
     # reference's run and steps 3-4 do not (the policy's log-probs stay; the rewards change).

@@ -31,7 +31,7 @@ from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import pack_in_order
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.trainer import PrefixDPOTrainer
-from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, parity_records, shared_options, step_logs
+from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, compare, parity_records, shared_options, step_logs
 
 # ---------------------------------------------------------------------------------------------
 # use_weighting / ld_alpha: per-step equality with TRL 1.16's DPOTrainer
@@ -68,17 +68,6 @@ def our_step_logs(records, tokenizer, base, options, *, packing: bool) -> list[d
         assert [len(line) for line in pack_in_order(lengths, PACKED["pack_length"])] == [4, 4, 4, 4], lengths
     trainer.train()
     return step_logs(trainer)
-
-
-def compare(trl_logs, our_logs) -> tuple[list[bool], str]:
-    rows = []
-    for step, (t, o) in enumerate(zip(trl_logs, our_logs), start=1):
-        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= LOGPS_RTOL * abs(t[key])))
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= REWARD_ATOL))
-    table = "\n".join(f"step {s} {k:17s} trl {a: .8f} ours {b: .8f} diff {a - b: .2e}" for s, k, a, b, _ in rows)
-    return [ok for *_, ok in rows], table
 
 
 @pytest.fixture(scope="module")

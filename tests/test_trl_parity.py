@@ -173,19 +173,36 @@ def run_ours(records, tokenizer, base, options):
     return step_logs(trainer), seen
 
 
-# With accumulation TRL averages micro-batch means, we average the step's pairs: equal here because
-# every micro-batch holds the same number of pairs (16 records split evenly).
-@pytest.mark.parametrize("batch_size,grad_accum", [(4, 1), (2, 2)])
-def test_per_step_metrics_equal_trl_dpo_trainer(tmp_path, batch_size, grad_accum):
+def parity_setup(arch: str = "llama", **overrides):
+    """(16 records, the tiny tokenizer, a tiny model of `arch`) with TRL's and datasets' progress output off."""
     pytest.importorskip("trl")
     import datasets
     from transformers.utils import logging as hf_logging
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    records = parity_records(16)
     tokenizer = build_tiny_tokenizer()
-    base = tiny_model("llama", vocab_size=len(tokenizer))
+    return parity_records(16), tokenizer, tiny_model(arch, vocab_size=len(tokenizer), **overrides)
+
+
+def compare(trl_logs, our_logs) -> tuple[list[bool], str]:
+    """Per step: loss, grad_norm and log-probs within LOGPS_RTOL relative, rewards within REWARD_ATOL; and a
+    side-by-side table for the failure message."""
+    rows = []
+    for step, (t, o) in enumerate(zip(trl_logs, our_logs), start=1):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= LOGPS_RTOL * abs(t[key])))
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= REWARD_ATOL))
+    table = "\n".join(f"step {s} {k:17s} trl {a: .8f} ours {b: .8f} diff {a - b: .2e}" for s, k, a, b, _ in rows)
+    return [ok for *_, ok in rows], table
+
+
+# With accumulation TRL averages micro-batch means, we average the step's pairs: equal here because
+# every micro-batch holds the same number of pairs (16 records split evenly).
+@pytest.mark.parametrize("batch_size,grad_accum", [(4, 1), (2, 2)])
+def test_per_step_metrics_equal_trl_dpo_trainer(tmp_path, batch_size, grad_accum):
+    records, tokenizer, base = parity_setup()
     options = shared_options(tmp_path, "run", batch_size, grad_accum)
     trl_logs, trl_batches = run_trl(records, tokenizer, base, {**options, "output_dir": str(tmp_path / "trl")})
     our_logs, our_batches = run_ours(records, tokenizer, base, {**options, "output_dir": str(tmp_path / "ours")})
@@ -198,13 +215,7 @@ def test_per_step_metrics_equal_trl_dpo_trainer(tmp_path, batch_size, grad_accum
     assert len(steps) == len(trl_logs) == len(our_logs) == 4
     assert len({tuple(map(tuple, step)) for step in steps}) == 4
 
-    rows = []
-    for step, (t, o) in enumerate(zip(trl_logs, our_logs), start=1):
-        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= LOGPS_RTOL * abs(t[key])))
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            rows.append((step, key, t[key], o[key], abs(t[key] - o[key]) <= REWARD_ATOL))
-    table = "\n".join(f"step {s} {k:17s} trl {a: .8f} ours {b: .8f} diff {a - b: .2e}" for s, k, a, b, _ in rows)
-    assert all(ok for *_, ok in rows), table
+    oks, table = compare(trl_logs, our_logs)
+    assert all(oks), table
     # training moved the policy away from the reference: the rewards are not trivially zero after step 1
     assert all(abs(o["rewards/margins"]) > 10 * REWARD_ATOL for o in our_logs[1:]), table
