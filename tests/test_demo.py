@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
 import torch
 
 from prefixdpo.cli import main
