@@ -351,3 +351,15 @@ def test_throughput_counts_pairs(tmp_path):
     assert len(t._train_micro) < 16  # several pairs per micro-batch
     assert final["train_samples_per_second"] == pytest.approx(16 / final["train_runtime"], rel=1e-2, abs=2e-3)
     assert all(h["pairs_per_second"] > 0 for h in logs)
+
+
+def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_path, monkeypatch):
+    """aot under gradient accumulation pre-passes the step; the reference's sums from that pass are reused."""
+    from prefixdpo.reference import SeparateModelReference
+
+    calls = []
+    real = SeparateModelReference.logps
+    monkeypatch.setattr(SeparateModelReference, "logps", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    train(config(tmp_path, loss_type=["aot"], max_steps=1, per_device_train_batch_size=2,
+                 gradient_accumulation_steps=2), make_examples(4))
+    assert len(calls) == 2  # two micro-batches, one reference pass each (not two)

@@ -42,10 +42,10 @@ class MetricSums:
     KEYS = PAIR_METRICS + COUNTS
 
     def __init__(self) -> None:
+        self.last_pairs = 0.0  # pairs (all ranks) of the last summary
         self.reset()
 
     def reset(self) -> None:
-        self.last_pairs = getattr(self, "last_pairs", 0.0)  # pairs (all ranks) of the last summary
         self.values = dict.fromkeys(self.KEYS, 0.0)
         self.started = time.perf_counter()
 

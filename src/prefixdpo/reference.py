@@ -62,12 +62,17 @@ def _as_reference(model, adapter_off: bool):
             inner.train(was_training)
 
 
-def reference_sums(model, batch: Batch, *, adapter_off: bool = False, chunk_size: int = 1024,
-                   attention_mask=None, backend: str = "auto") -> torch.Tensor:
-    """No-grad per-response log-prob sums [R] of `batch` under `model` (its adapter off if asked)."""
+def reference_response_logps(model, batch: Batch, *, adapter_off: bool = False, chunk_size: int = 1024,
+                             attention_mask=None, backend: str = "auto"):
+    """No-grad `ResponseLogps` of `batch` under `model` (its adapter off if asked): sums [R], per-token [T]."""
     with _as_reference(model, adapter_off):
         return compute_response_logps(model, batch, backend=backend, chunk_size=chunk_size,
-                                      attention_mask=attention_mask).sums.detach()
+                                      attention_mask=attention_mask)
+
+
+def reference_sums(model, batch: Batch, **kwargs) -> torch.Tensor:
+    """No-grad per-response log-prob sums [R] of `batch` (see `reference_response_logps`)."""
+    return reference_response_logps(model, batch, **kwargs).sums.detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,8 +101,13 @@ class SeparateModelReference:
         self.chunk_size = chunk_size
         self.backend = backend
 
+    def response_logps(self, policy, batch, mask):
+        """Sums and per-token log-probs (LD-DPO needs the tokens), no grad."""
+        return reference_response_logps(self.model, batch, chunk_size=self.chunk_size, attention_mask=mask,
+                                        backend=self.backend)
+
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
-        return reference_sums(self.model, batch, chunk_size=self.chunk_size, attention_mask=mask, backend=self.backend)
+        return self.response_logps(policy, batch, mask).sums.detach()
 
     def check_mixable(self, policy) -> None:
         """ConfigError unless the reference holds the policy's parameters (same names and shapes, same
@@ -138,9 +148,13 @@ class AdapterReference:
         self.chunk_size = chunk_size
         self.backend = backend
 
+    def response_logps(self, policy, batch, mask):
+        """Sums and per-token log-probs (LD-DPO needs the tokens), no grad."""
+        return reference_response_logps(policy, batch, adapter_off=True, chunk_size=self.chunk_size,
+                                        attention_mask=mask, backend=self.backend)
+
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
-        return reference_sums(policy, batch, adapter_off=True, chunk_size=self.chunk_size, attention_mask=mask,
-                              backend=self.backend)
+        return self.response_logps(policy, batch, mask).sums.detach()
 
 
 @dataclass

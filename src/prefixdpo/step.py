@@ -23,7 +23,6 @@ from prefixdpo.forward import compute_response_logps
 from prefixdpo.logprobs import ResponseLogps, ld_pair_logps
 from prefixdpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
 from prefixdpo.metrics import pair_metric_sums
-from prefixdpo.reference import _as_reference
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: in
     else:
         chosen, rejected = _ld(policy_logps, batch, ld_alpha)
         ref_chosen = ref_rejected = None
-        ref_logps = _reference_token_logps(reference, policy, batch, mask, item, backend, chunk_size)
+        ref_logps = _reference_token_logps(reference, policy, batch, mask, item)
         if ref_logps is not None:
             ref_chosen, ref_rejected = (x.to(chosen.dtype) for x in _ld(ref_logps, batch, ld_alpha))
     lengths = policy_logps.counts.to(policy_logps.sums.dtype)
@@ -107,25 +106,16 @@ def _ld(logps: ResponseLogps, batch: Batch, alpha: float) -> tuple[torch.Tensor,
                          alpha)
 
 
-def _reference_token_logps(reference, policy, batch: Batch, mask, item, backend: str,
-                           chunk_size: int) -> ResponseLogps | None:
-    """The reference's per-token log-probs for LD-DPO's split (no grad), or None without a reference.
-
-    The reference strategies answer per-response sums only; LD-DPO needs the tokens, so the model and
-    adapter references are run here the way their `logps` runs them.
-    """
+def _reference_token_logps(reference, policy, batch: Batch, mask, item) -> ResponseLogps | None:
+    """The reference's per-token log-probs for LD-DPO's split (no grad), or None without a reference."""
     if reference.name == "none":
         return None
-    if reference.name not in ("model", "adapter") or (item is not None and "ref_logps" in item):
+    if not hasattr(reference, "response_logps") or (item is not None and "ref_logps" in item):
         raise LossConfigError(
             "ld_alpha needs the reference's per-token log-probs, but precomputed reference tables hold "
             "per-response sums: set precompute_ref_log_probs=False to use ld_alpha"
         )
-    adapter_off = reference.name == "adapter"
-    model = policy if adapter_off else reference.model
-    with _as_reference(model, adapter_off):
-        return compute_response_logps(model, batch, backend=reference.backend, chunk_size=reference.chunk_size,
-                                      attention_mask=mask)
+    return reference.response_logps(policy, batch, mask)
 
 
 def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backend: str, chunk_size: int = 1024,

@@ -7,7 +7,8 @@ its slice (`item["step_context"]`), so packing, gradient accumulation and world 
 
 - sft / orpo / RPO need the step's chosen-token total: from the data, no forward;
 - aot, aot_unpaired and training bco_pair need every pair's detached log-probs: one no-grad pre-pass over
-  this rank's micro-batches (policy and reference), gathered over ranks. That pass is their extra cost.
+  this rank's micro-batches, gathered over ranks. Its reference sums stay in the items for the training pass,
+  so the extra cost is one no-grad policy forward per micro-batch.
 
 Pairs are numbered rank by rank, then micro-batch by micro-batch, then in batch order.
 """

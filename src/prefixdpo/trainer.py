@@ -27,7 +27,7 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, latest_checkpoint, load_state, tr_dpo_callback
-from prefixdpo.attention.backends import resolve_backend
+from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
@@ -161,11 +161,17 @@ class PrefixDPOTrainer(Trainer):
         return samples, None
 
     def _prepass(self, item):
-        """No-grad per-pair log-probs of one micro-batch, for the step context."""
+        """No-grad per-pair log-probs of one micro-batch, for the step context. The reference's sums are kept
+        in the item, so the training pass does not run the reference again (LD-DPO needs its tokens: rerun)."""
+        batch = item["batch"].to(self.args.device)
         with torch.no_grad():
-            return pair_logps(self.model, item["batch"].to(self.args.device), reference=self.reference,
-                              backend=self.backend, chunk_size=self.args.logprob_chunk_size, item=item,
-                              params=self.objective.params)
+            if "ref_logps" not in item and self.objective.params.ld_alpha is None:
+                ref = self.reference.logps(self.model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
+                                                                                   self.backend), item)
+                if ref is not None:
+                    item["ref_logps"] = ref
+            return pair_logps(self.model, batch, reference=self.reference, backend=self.backend,
+                              chunk_size=self.args.logprob_chunk_size, item=item, params=self.objective.params)
 
     # ---- loss -------------------------------------------------------------------------------
 
