@@ -327,11 +327,17 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     first, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
     assert not hit
     assert reference.load_or_compute_table(model, list(examples), cache, settings=settings)[2]  # same content
-    with torch.no_grad():  # one element of one weight, far from any strided sample's positions
+    with torch.no_grad():  # one element of one weight
         p = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
         p.view(-1)[p.numel() // 2 + 3] += 1e-3
     changed, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
     assert not hit and not torch.equal(changed.sums, first.sums)
+    # every element counts, also in tensors large enough that a strided sample (the old key) skipped some
+    big = torch.nn.Linear(2048, 1100, bias=False)
+    before = reference.weights_fingerprint(big)
+    with torch.no_grad():
+        big.weight.view(-1)[1] += 1e-3  # odd index: a stride-2 sample never reads it
+    assert reference.weights_fingerprint(big) != before
     # two eval sets of one trainer get two tables, whatever Python objects hold them
     t, _ = train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples)
     evals = [make_examples(4, seed=1), make_examples(4, seed=2)]
