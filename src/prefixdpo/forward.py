@@ -1,15 +1,20 @@
 """Run any Hugging Face causal LM on prefix-shared lines and return per-response log-probs.
 
-The model's own forward runs (so wrappers such as DDP, PEFT and gradient checkpointing see a normal
-call); a forward hook on its decoder captures the final hidden states, and the LM head is then applied
-only where a response token is predicted (`logprobs.py`). `logits_to_keep=1` keeps the model's own head
-to one position per line; that position doubles as a check that our head path equals the model's.
+Everything runs inside the forward of the module the engine wraps (`through_engine`): the model's own
+forward, a forward hook on its decoder that captures the final hidden states, and the LM head applied
+only where a response token is predicted (`logprobs.py`). So DDP, FSDP2 (parameters unsharded only
+between its pre- and post-forward hooks), DeepSpeed ZeRO-3 (parameters gathered per module call),
+PEFT and gradient checkpointing all see one normal call, and the head's weight is the full one.
+`logits_to_keep=1` keeps the model's own head to one position per line; that position doubles as a
+check that our head path equals the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+from typing import Callable
 
 import torch
 
@@ -110,8 +115,37 @@ def restore_stock_attention(folder: str) -> None:
             json.dump(cfg, fh, indent=2, sort_keys=True)
 
 
-def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the model; return (hidden [B, L, D], the model's own logits at its last position [B, V] or None)."""
+def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
+    """Call `model` (bare, or wrapped by DDP / FSDP2 / DeepSpeed) with `inputs`, running `body` as the
+    forward of the module the engine wraps: ``body(inner_forward, **inputs)``, where `inner_forward` is
+    that module's own forward (accelerate's mixed-precision wrapper included, if any).
+
+    body returns a dict of tensors: the engines find a forward's output tensors by walking dicts (DDP's
+    unused-parameter search, FSDP2's pre-backward hooks), not arbitrary objects.
+    """
+    inner = unwrap(model)
+    own = inner.__dict__.get("forward")  # an instance-level forward (accelerate's autocast wrapper) stays in use
+    inner_forward = own if own is not None else inner.forward
+
+    def forward(*args, **kwargs):
+        if args:
+            raise TypeError("prefixdpo passes every model input by keyword")
+        return body(inner_forward, **kwargs)
+
+    inner.forward = forward
+    try:
+        return model(**inputs)
+    finally:
+        if own is not None:
+            inner.forward = own
+        else:
+            del inner.forward
+
+
+def final_hidden_states(model, inner_forward, input_ids, attention_mask,
+                        position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `inner_forward` (the forward of `unwrap(model)`); return (hidden [B, L, D], the model's own
+    logits at its last position [B, V] or None). Call it inside `through_engine`."""
     hf = unwrap(model)
     decoder = hf.get_decoder()
     captured: list[torch.Tensor] = []
@@ -124,10 +158,10 @@ def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tens
     moe = {"output_router_logits": False} if hasattr(_text_config(hf), "output_router_logits") else {}
     handle = decoder.register_forward_hook(grab)
     try:
-        out = model(
-            input_ids=batch.input_ids,
+        out = inner_forward(
+            input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=batch.position_ids,
+            position_ids=position_ids,
             use_cache=False,
             logits_to_keep=1,  # the model's own head on one position only: we apply ours where needed
             **moe,
@@ -138,6 +172,10 @@ def final_hidden_states(model, batch: Batch, attention_mask) -> tuple[torch.Tens
         raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
     logits = out.logits if hasattr(out, "logits") else out[0]
     return captured[0], (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
+
+
+def _batch_inputs(batch: Batch, attention_mask) -> dict:
+    return {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
 
 
 def resolve_router_aux_loss_coef(model, coef: float | None) -> float:
@@ -250,20 +288,30 @@ def compute_response_logps(
         )
     if attention_mask is None:
         attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-    with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
-        hidden, model_last_logits = final_hidden_states(model, batch, attention_mask)
-    head = lm_head_fn(hf)
-    if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
-        check_head(head, hidden[:, -1], model_last_logits)
-        hf._prefixdpo_head_checked = True
-    result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
-    if router_aux:
-        result.aux_loss = router_aux_loss(model, router_logits, batch)
-    return result
+
+    def body(inner_forward, **inputs) -> dict:
+        with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
+            hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
+        head = lm_head_fn(hf)
+        if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
+            check_head(head, hidden[:, -1], model_last_logits)
+            hf._prefixdpo_head_checked = True
+        result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
+        if router_aux:
+            result.aux_loss = router_aux_loss(model, router_logits, batch)
+        return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if getattr(result, f.name) is not None}
+
+    return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
 
 
 def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
     """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
     gradient sync and FSDP's collectives line up on every rank."""
-    hidden, _ = final_hidden_states(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, backend))
-    return lm_head_fn(unwrap(model))(hidden[:, -1]).sum() * 0.0
+    hf = unwrap(model)
+
+    def body(inner_forward, **inputs) -> dict:
+        hidden, _ = final_hidden_states(model, inner_forward, **inputs)
+        return {"loss": lm_head_fn(hf)(hidden[:, -1]).sum() * 0.0}
+
+    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    return through_engine(model, body, **_batch_inputs(batch, mask))["loss"]
