@@ -9,11 +9,9 @@ from prefixdpo.errors import UserError
 from prefixdpo.data.packing import (
     RowTooLongError,
     auto_pack_length,
-    even_packs_for_ranks,
-    group_into_batches,
+    deal_to_ranks,
     packing_efficiency,
     plan_packs,
-    shard_for_rank,
 )
 from prefixdpo.data.synthetic import PROFILES, synthetic_lengths
 
@@ -120,65 +118,34 @@ def test_packing_efficiency_counts_empty_packs_as_waste():
 # ---- ranks ---------------------------------------------------------------------------------------------
 
 
-def _simulate_ranks(packs, world_size):
-    even = even_packs_for_ranks(packs, world_size)
-    shards = [shard_for_rank(even, r, world_size) for r in range(world_size)]
-    return even, shards
-
-
-def test_seven_rows_four_ranks_even_and_lossless():
-    lengths = [100, 90, 80, 30, 20, 10, 5]
-    packs = plan_packs(lengths, 256, seed=0)
-    assert len(packs) % 4 != 0  # the case under test: uneven before
-    even, shards = _simulate_ranks(packs, 4)
-    assert len({len(s) for s in shards}) == 1
-    rows = sorted(i for s in shards for p in s for i in p)
-    assert rows == list(range(7))
-    _check_plan(lengths, even, 256)
-    assert [] not in even  # enough multi-row packs to split: no empty packs needed
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("n_rows", [0, 1, 2, 5, 7, 13, 64])
-def test_even_packs_every_combination(n_rows, world_size):
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+@pytest.mark.parametrize("n_rows", [0, 1, 2, 5, 7, 11, 64])
+def test_deal_to_ranks_every_combination(n_rows, world_size, batch_size):
     lengths = _random_lengths(n_rows, seed=n_rows, high=200)
     packs = plan_packs(lengths, 256, seed=1)
-    even, shards = _simulate_ranks(packs, world_size)
-    assert len(even) % world_size == 0
-    assert len(even) - len(packs) < world_size
-    assert len({len(s) for s in shards}) == 1
-    assert sorted(i for s in shards for p in s for i in p) == list(range(n_rows))
-    _check_plan(lengths, even, 256)
-    # Empty packs only when nothing multi-row was left to split.
-    if [] in even:
-        assert all(len(p) <= 1 for p in even)
+    plan = deal_to_ranks(packs, world_size, batch_size)
+    assert len({len(r) for r in plan}) == 1  # every rank runs the same number of micro-batches
+    assert all(len(mb) <= batch_size for r in plan for mb in r)
+    # micro-batch k of all ranks together is the k-th slab of world_size x batch_size packs: the same
+    # packs one process with world_size x the batch size puts in its micro-batch k
+    (single,) = deal_to_ranks(packs, 1, world_size * batch_size)
+    assert len(single) == len(plan[0])
+    for k, mb in enumerate(single):
+        assert sorted(map(tuple, (p for r in plan for p in r[k]))) == sorted(map(tuple, mb))
+    assert sorted(i for r in plan for mb in r for p in mb for i in p) == list(range(n_rows))
 
 
-def test_even_packs_splits_largest_first_then_pads_with_empty():
-    packs = [[0], [1, 2, 3, 4], [5, 6]]
-    out = even_packs_for_ranks(packs, 4)
-    assert out == [[0], [1, 2], [3, 4], [5, 6]]
-    assert packs == [[0], [1, 2, 3, 4], [5, 6]]  # input untouched
-    assert even_packs_for_ranks([[0], [1], [2]], 4) == [[0], [1], [2], []]
-    assert even_packs_for_ranks([[0, 1, 2, 3, 4, 5, 6]], 4) == [[0, 1], [2, 3], [4, 5], [6]]
-
-
-def test_shard_for_rank_strided_and_refuses_uneven():
-    packs = [[i] for i in range(6)]
-    assert shard_for_rank(packs, 1, 3) == [[1], [4]]
-    with pytest.raises(ValueError, match="even_packs_for_ranks"):
-        shard_for_rank(packs, 0, 4)
-    with pytest.raises(ValueError, match="bad rank"):
-        shard_for_rank(packs, 3, 3)
-
-
-def test_group_into_batches_keeps_remainder():
-    packs = [[i] for i in range(7)]
-    batches = group_into_batches(packs, 3)
-    assert [len(b) for b in batches] == [3, 3, 1]
-    assert [p for b in batches for p in b] == packs
-    with pytest.raises(ValueError):
-        group_into_batches(packs, 0)
+def test_deal_to_ranks_is_strided_within_a_slab_and_checks_sizes():
+    packs = [[i] for i in range(11)]
+    plan = deal_to_ranks(packs, 2, 2)
+    assert plan[0] == [[[0], [2]], [[4], [6]], [[8], [10]]]
+    assert plan[1] == [[[1], [3]], [[5], [7]], [[9]]]
+    assert deal_to_ranks([[0]], 3, 1) == [[[[0]]], [[]], [[]]]  # ranks without a line still run the step
+    with pytest.raises(ValueError, match="world_size"):
+        deal_to_ranks(packs, 0, 1)
+    with pytest.raises(UserError, match="batch size"):
+        deal_to_ranks(packs, 1, 0)
 
 
 # ---- efficiency on the paper's length profiles -----------------------------------------------------

@@ -7,9 +7,9 @@ across all ranks. The trainer divides by that count, so gradient accumulation an
 normalise by pairs exactly even when packing makes the pair count vary per micro-batch.
 
 Plan shape: ``plan[rank][micro_batch] = [line, ...]``, ``line = [example index, ...]``. Unpacked, a
-line is one example; packed, a line holds the examples of one pack. An empty line (added so every
-rank runs the same number of micro-batches) carries no example; a micro-batch with no example at all
-becomes a zero-weight batch that still runs the model (so DDP's collectives line up).
+line is one example; packed, a line holds the examples of one pack. In the last, partial slab of lines
+a rank's micro-batch may hold fewer lines, or none: a micro-batch with no example at all becomes a
+zero-weight batch that still runs the model (so the engines' collectives line up).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.packing import (
-    RowTooLongError, auto_pack_length, even_packs_for_ranks, group_into_batches, plan_packs, shard_for_rank,
+    RowTooLongError, auto_pack_length, deal_to_ranks, plan_packs,
 )
 from prefixdpo.errors import UserError
 
@@ -112,9 +112,11 @@ def plan_epoch(
 ) -> Plan:
     """The global plan of one epoch: for every rank, its micro-batches of lines of example indices.
 
-    Every rank gets the same number of micro-batches (`even_packs_for_ranks`). Lines are dealt to ranks
-    strided, so micro-batch k on all ranks together covers the same examples as micro-batch k of one
-    process with world_size x the batch size (what makes a W-rank run equal a 1-process run).
+    The lines of the epoch are planned globally (as one process would), then dealt to ranks in slabs
+    (`deal_to_ranks`): micro-batch k on all ranks together covers the same lines as micro-batch k of one
+    process with world_size x the batch size, so the optimizer steps hold the same pairs whatever the
+    world size and accumulation (what makes a W-rank run equal a 1-process run). Every rank gets the
+    same number of micro-batches.
     """
     n = len(examples)
     if settings.packing:
@@ -131,8 +133,7 @@ def plan_epoch(
         else:
             order = list(range(n))
         lines = [[i] for i in order]
-    lines = even_packs_for_ranks(lines, world_size)
-    return [group_into_batches(shard_for_rank(lines, r, world_size), settings.batch_size) for r in range(world_size)]
+    return deal_to_ranks(lines, world_size, settings.batch_size)
 
 
 def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -> list[int]:
@@ -214,7 +215,7 @@ class MicroBatches(torch.utils.data.Dataset):
                     "step_pairs": total, "real_tokens": 0, "slots": 0, "shared_tokens": 0, "unshared_tokens": 0}
         exs = [self.examples[e] for e in ids]
         if self.settings.packing and self.plan_settings.packing:
-            # packs as local indices; an empty line (rank balancing) stays an all-padding line
+            # packs as local indices
             local, k = [], 0
             for line in lines:
                 local.append(list(range(k, k + len(line))))

@@ -8,15 +8,12 @@ Pipeline for one epoch:
 
     L    = auto_pack_length(lengths)                     # or a user-given length, a multiple of 128
     packs = plan_packs(lengths, L, seed=s, epoch=e)      # list of index groups, each sums to <= L
-    packs = even_packs_for_ranks(packs, world_size)      # same number of packs on every rank
-    mine  = shard_for_rank(packs, rank, world_size)
-    steps = group_into_batches(mine, rows_per_batch)     # micro-batches of B packed rows [B, L]
+    plan  = deal_to_ranks(packs, world_size, B)          # [rank][micro-batch][packed row], B rows [B, L]
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Sequence
 
@@ -161,81 +158,26 @@ def packing_efficiency(row_lengths: Sequence[int], packs: Sequence[Sequence[int]
     return real / (len(packs) * int(pack_length))
 
 
-def even_packs_for_ranks(packs: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
-    """Make the number of packs a multiple of `world_size`, never dropping or duplicating a row.
+def deal_to_ranks(lines: Sequence[Sequence[int]], world_size: int, batch_size: int) -> list[list[list[list[int]]]]:
+    """Deal lines (packs, or one example each) to ranks: ``[rank][micro-batch][line]``.
 
-    Every data-parallel rank must run the same number of micro-batches, or the ranks that finish early
-    wait forever in the next collective (a hang, not an error). To add the missing packs we:
-
-    1. split multi-row packs in two (the pack with the most rows first; the two halves stay adjacent
-       in the list). A split keeps every row and each half still fits the pack length; it only costs a
-       little packing efficiency;
-    2. only when every pack holds a single row (nothing left to split), append empty packs `[]`. The
-       trainer runs an empty pack as a zero-weight (all-padding) micro-batch, so it takes part in the
-       collectives but contributes nothing to the loss or the gradient.
-
-    At most world_size - 1 packs are added. The input is not modified.
+    Micro-batch k of every rank together holds the k-th slab of ``world_size x batch_size`` consecutive
+    lines, dealt strided within the slab (rank r: ``slab[r::world_size]``), so one process with
+    ``world_size x`` the batch size, or with ``world_size`` accumulation steps, trains the same lines in
+    the same optimizer steps: which lines form a step never depends on the world size. Every rank runs
+    the same number of micro-batches (a rank that stopped early would hang the next collective); in the
+    last, partial slab a rank may get fewer lines, or none (the trainer runs an empty micro-batch with
+    zero weight). Nothing is split, dropped or duplicated.
     """
-    world_size = int(world_size)
+    world_size, batch_size = int(world_size), int(batch_size)
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    out = [list(p) for p in packs]
-    missing = (-len(out)) % world_size
-    if missing == 0:
-        return out
-
-    # Max-heap on the row count; ties go to the earliest pack (then the earliest piece) so the result
-    # is deterministic. A split pack's pieces live in pieces[i], in order, replacing pack i.
-    pieces: dict[int, list[list[int]]] = {}
-    # One heap entry per splittable (>= 2 rows) piece: (-rows, pack index, tie-break counter).
-    heap = [(-len(p), i, 0) for i, p in enumerate(out) if len(p) >= 2]
-    heapq.heapify(heap)
-    counter = 0
-    while missing and heap:
-        _, orig, _ = heapq.heappop(heap)
-        group = pieces.setdefault(orig, [out[orig]])
-        # The popped entry is the largest splittable piece of pack `orig` (every such piece has an
-        # entry), so split the first piece of that size.
-        k = max(range(len(group)), key=lambda j: (len(group[j]), -j))
-        rows = group[k]
-        cut = (len(rows) + 1) // 2
-        group[k : k + 1] = [rows[:cut], rows[cut:]]
-        for piece in (rows[:cut], rows[cut:]):
-            if len(piece) >= 2:
-                counter += 1
-                heapq.heappush(heap, (-len(piece), orig, counter))
-        missing -= 1
-    if pieces:
-        out = [piece for i, p in enumerate(out) for piece in (pieces[i] if i in pieces else [p])]
-    out.extend([] for _ in range(missing))
-    return out
-
-
-def shard_for_rank(packs: Sequence[Sequence[int]], rank: int, world_size: int) -> list[list[int]]:
-    """The packs rank `rank` runs: strided, `packs[rank::world_size]`.
-
-    Strided rather than contiguous so that, when packs are not shuffled (they come out roughly fullest
-    first), every rank still gets a similar mix of full and partial packs, and step k on every rank
-    draws from the same region of the epoch. Requires len(packs) % world_size == 0 (call
-    `even_packs_for_ranks` first); an uneven split would hang the collectives, so it is an error here.
-    """
-    world_size = int(world_size)
-    if world_size <= 0 or not 0 <= int(rank) < world_size:
-        raise ValueError(f"bad rank {rank} for world_size {world_size}")
-    if len(packs) % world_size:
-        raise ValueError(
-            f"{len(packs)} packs do not split evenly over {world_size} ranks; call even_packs_for_ranks first"
-        )
-    return [list(p) for p in packs[int(rank) :: world_size]]
-
-
-def group_into_batches(packs: Sequence[Sequence[int]], rows_per_batch: int) -> list[list[list[int]]]:
-    """Consecutive packs grouped into micro-batches of `rows_per_batch` packed rows ([B, L] each).
-
-    The last micro-batch holds the remainder and may be shorter (nothing is dropped); a caller that
-    needs a fixed B (e.g. to avoid a recompile) pads it with empty rows.
-    """
-    rows_per_batch = int(rows_per_batch)
-    if rows_per_batch <= 0:
-        raise ConfigError(f"rows_per_batch (the per-device batch size) must be positive, got {rows_per_batch}")
-    return [[list(p) for p in packs[k : k + rows_per_batch]] for k in range(0, len(packs), rows_per_batch)]
+    if batch_size <= 0:
+        raise ConfigError(f"the per-device batch size must be positive, got {batch_size}")
+    slab = world_size * batch_size
+    plan: list[list[list[list[int]]]] = [[] for _ in range(world_size)]
+    for start in range(0, len(lines), slab):
+        chunk = lines[start:start + slab]
+        for rank in range(world_size):
+            plan[rank].append([list(line) for line in chunk[rank::world_size]])
+    return plan
