@@ -1,0 +1,87 @@
+"""Reward-model data: the DPO data pipeline's Examples (every format, pairs policy, validation,
+truncation), each carrying the record's `margin` as TRL's `RewardTrainer` reads that column.
+
+A record's margin (a finite number) applies to every preference pair of the record; a dataset without
+the column has margin 0. A record whose margin is missing or not a number is bad input: an error naming
+the record, or skipped and counted with `invalid="skip"`, as every other bad field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from prefixdpo.data.example import Example
+from prefixdpo.data.validation import WRONG_TYPE, InvalidRecordError
+from prefixdpo.errors import UserError
+from prefixdpo.training_data import is_examples
+
+MARGIN = "margin"
+
+
+def _margin(index: int, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRecordError(index, WRONG_TYPE, f"field 'margin' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _has_margin_column(records) -> bool:
+    names = getattr(records, "column_names", None)
+    if names is not None:  # a datasets.Dataset
+        return MARGIN in names
+    return any(isinstance(r, dict) and MARGIN in r for r in records)
+
+
+def with_margins(examples: list[Example], records, report, invalid: str) -> list[Example]:
+    """`examples` with `meta["margin"]` from their records (`records[ex.source_index]`); bad margins raise
+    (invalid="error") or drop the example and count it in `report.skipped` (invalid="skip")."""
+    if not _has_margin_column(records):
+        return examples
+    kept = []
+    for ex in examples:
+        try:
+            margin = _margin(ex.source_index, records[ex.source_index].get(MARGIN))
+        except InvalidRecordError as err:
+            if invalid == "error":
+                raise
+            report.skipped[err.reason] += 1
+            report.skip_examples.setdefault(err.reason, str(err))
+            report.kept -= 1
+            continue
+        kept.append(dataclasses.replace(ex, meta={**ex.meta, MARGIN: margin}))
+    return kept
+
+
+def reward_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
+    """`data` as Examples with margins (None stays None; Examples are used as they are, `meta["margin"]`
+    if set); the data report goes to `reports[name]`."""
+    if data is None:
+        return None
+    if is_examples(data):
+        return list(data)
+    if isinstance(data, (list, tuple)) and not data:
+        raise UserError(f"{name} dataset is empty")
+    if tokenizer is None:
+        raise UserError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
+    from prefixdpo.data.loading import load_records
+    from prefixdpo.data.prepare import examples_from_records
+
+    records = load_records(data, options.split, options.dataset_config, options.max_samples)
+    examples, report = examples_from_records(records, tokenizer, options)
+    examples = with_margins(examples, records, report, options.invalid)
+    reports[name] = report
+    if not examples:
+        raise UserError(f"{name} dataset: no usable examples ({report.summary()})")
+    return examples
+
+
+def pair_margins(examples: Sequence[Example], example_ids: torch.Tensor) -> torch.Tensor | None:
+    """Margins [P] of a micro-batch's pairs (in batch order: example by example, each example's pairs in
+    order), or None when none of its examples has a margin (TRL's loss without the term)."""
+    chosen = [examples[e] for e in example_ids.tolist()]
+    if not any(MARGIN in ex.meta for ex in chosen):
+        return None
+    return torch.tensor([ex.meta.get(MARGIN, 0.0) for ex in chosen for _ in ex.pairs], dtype=torch.float32)

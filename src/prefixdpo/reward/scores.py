@@ -1,0 +1,136 @@
+"""Per-response reward scores from prefix-shared (or standard, packed or padded) lines.
+
+A reward model (`AutoModelForSequenceClassification`, `num_labels=1`) scores a sequence with its score
+head on the final hidden state of the sequence's last token. In a prefix-shared row every response
+attends to exactly its prompt and itself, so the hidden state at a response's last token is the one a
+separate `[prompt][response]` pass computes there: one body pass scores all K responses of a prompt.
+
+Which token is "last" follows the stock model (and so TRL's `RewardTrainer`): the rightmost token of
+`[prompt][response]` that is not `config.pad_token_id` (TRL pads with the tokenizer's pad token, often
+the EOS token that ends every response, so the score is read before a trailing EOS); position 0 of the
+sequence if every token is the pad token; the very last token when the model has no pad token.
+
+Everything that touches weights, the body and the score head, runs inside the forward of the module
+the engine wraps (`forward.through_engine`), so FSDP2 / ZeRO-3 see the score head's full weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixdpo.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.data.batch import Batch
+from prefixdpo.forward import through_engine, unwrap
+from prefixdpo.logprobs import UnsupportedModelError
+
+
+def base_of(model):
+    """The transformers model under DDP/FSDP wrappers and PEFT (PEFT's `score` copy lives in it)."""
+    hf = unwrap(model)
+    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+
+
+def text_config(model):
+    cfg = base_of(model).config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def score_head(model) -> torch.nn.Module:
+    """The model's own score head (`score`: hidden [N, D] -> [N, 1]); refuses anything but one label."""
+    base = base_of(model)
+    head = getattr(base, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise UnsupportedModelError(
+            f"{type(base).__name__} has no `score` head: a reward model is a decoder "
+            "AutoModelForSequenceClassification (e.g. LlamaForSequenceClassification)")
+    labels = getattr(base.config, "num_labels", None)
+    if labels != 1:
+        raise UnsupportedModelError(
+            f"{type(base).__name__} has num_labels={labels}; a reward model outputs one score (num_labels=1)")
+    return head
+
+
+def response_segments(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each response lives: (line [R], document [R], branch [R]) of its tokens.
+
+    A response's first target is predicted from its prompt's last position, which is in the same line and
+    document. Responses are numbered document by document in order, and a document's responses have
+    branches 1, 2, ... in that order (a standard `[prompt][response]` row is a document of its own with
+    branch 1), so a response's branch is its rank among the responses of its (line, document).
+    """
+    R, device = batch.num_responses, batch.input_ids.device
+    T = batch.target_response.numel()
+    first_target = torch.full((R,), T, dtype=torch.long, device=device).scatter_reduce(
+        0, batch.target_response, torch.arange(T, device=device), reduce="amin")
+    line = batch.target_line[first_target]
+    doc = batch.doc_ids[line, batch.target_col[first_target]]
+    key = line * batch.input_ids.shape[1] + doc  # (line, document) as one number
+    # responses of one document are consecutive: a new (line, document) starts a new branch count
+    starts = torch.ones(R, dtype=torch.bool, device=device)
+    starts[1:] = key[1:] != key[:-1]
+    start_index = torch.cummax(torch.where(starts, torch.arange(R, device=device), 0), dim=0).values
+    branch = torch.arange(R, device=device) - start_index + 1
+    return line, doc, branch
+
+
+def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(line [R], column [R]) of the token whose hidden state scores each response (module docstring).
+
+    The candidates of response r are the tokens of its own sequence: its document's prompt (branch 0) and
+    its own branch. -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
+    document's first token.
+    """
+    line, doc, branch = response_segments(batch)
+    ids, docs, branches = batch.input_ids[line], batch.doc_ids[line], batch.branch_ids[line]  # [R, L]
+    own = (docs == doc[:, None]) & ((branches == 0) | (branches == branch[:, None]))
+    kept = own if pad_token_id is None else own & (ids != pad_token_id)
+    columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    last = torch.where(kept, columns, -1).amax(dim=1)
+    first = torch.where(own, columns, ids.shape[1]).amin(dim=1)
+    return line, torch.where(last >= 0, last, first)
+
+
+def _final_hidden(model, inner_forward, **inputs) -> torch.Tensor:
+    """hidden [B, L, D]: the decoder's output, captured during the model's own forward (`inner_forward`)."""
+    captured: list[torch.Tensor] = []
+
+    def grab(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = unwrap(model).get_decoder().register_forward_hook(grab)
+    try:
+        inner_forward(use_cache=False, **inputs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
+    return captured[0]
+
+
+def compute_response_scores(model, batch: Batch, *, backend: str = "auto", attention_mask=None) -> torch.Tensor:
+    """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
+
+    A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
+    its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
+    """
+    cfg = text_config(model)
+    head = score_head(model)
+    if cfg.pad_token_id is None and batch.input_ids.shape[0] > 1:
+        raise UnsupportedModelError(
+            "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
+            "does from the tokenizer's pad token): it marks where each sequence ends")
+    device = batch.input_ids.device
+    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
+    if attention_mask is None:
+        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    empty = batch.num_responses == 0
+    line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
+
+    def body(inner_forward, **inputs) -> dict:
+        hidden = _final_hidden(model, inner_forward, **inputs)
+        if empty:
+            return {"scores": head(hidden[:, -1]).float().sum().reshape(1) * 0.0}
+        return {"scores": head(hidden[line, column]).float().squeeze(-1)}
+
+    inputs = {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
+    return through_engine(model, body, **inputs)["scores"]
