@@ -1,0 +1,63 @@
+"""Check prefix-shared reward scores against separate stock passes on a user's own reward model.
+
+The reference is independent of prefixdpo's forward: each `[prompt][response]` runs alone through the
+model's own `forward` with its stock attention, and the score is what the model itself pools (the last
+non-pad token). Gradients are those of a Bradley-Terry loss over the examples' pairs, from either side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixdpo.data.batch import build_batch
+from prefixdpo.data.example import Example
+from prefixdpo.forward import prepare_model
+from prefixdpo.reward.losses import pair_reward_losses
+from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.verify import VerifyResult, stock_attention
+
+
+def separate_pass_scores(model, examples: list[Example]) -> torch.Tensor:
+    """Scores [R] (responses in example order), one stock forward per `[prompt][response]` sequence."""
+    device = next(model.parameters()).device
+    scores = []
+    with stock_attention(model):
+        for ex in examples:
+            for response in ex.response_ids:
+                ids = torch.tensor([list(ex.prompt_ids) + list(response)], device=device)
+                scores.append(model(input_ids=ids, use_cache=False).logits[0, 0].float())
+    return torch.stack(scores)
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def compare_scores(model, examples: list[Example], *, packs=None, backend: str = "sdpa", prefix_sharing: bool = True,
+                   pad_multiple: int = 1, case: str = "", pad_token_id: int = 0) -> VerifyResult:
+    """Max abs diff of per-response scores and of Bradley-Terry-loss gradients, our layout vs separate passes.
+
+    packs / prefix_sharing / pad_multiple: the layout, as `prefixdpo.verify.compare` (padding tokens are
+    `pad_token_id`). Gradients are compared where the backend has a backward on the model's device.
+    `VerifyResult.logp_*` hold the score differences.
+    """
+    device = next(model.parameters()).device
+    batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple,
+                        pad_token_id=pad_token_id).to(device)
+    with_grad = not (backend == "flex" and device.type == "cpu")
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(with_grad):
+        reference = separate_pass_scores(model, examples)
+        prepare_model(model, backend)
+        ours = compute_response_scores(model, batch, backend=backend)
+    result = VerifyResult(case=case, logp_diff=(ours - reference).detach().abs().max().item(),
+                          logp_scale=reference.detach().abs().max().item(), grad_diff=None, grad_scale=None)
+    if with_grad:
+        grads = []
+        for scores in (reference, ours):
+            pair_reward_losses(scores, batch.pair_better, batch.pair_worse).mean().backward()
+            grads.append(_grads(model).clone())
+            model.zero_grad(set_to_none=True)
+        result.grad_diff = (grads[1] - grads[0]).abs().max().item()
+        result.grad_scale = grads[0].abs().max().item()
+    return result

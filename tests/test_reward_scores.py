@@ -1,0 +1,99 @@
+"""Reward scores from prefix-shared rows equal separate stock passes of the model (fp32, 1e-5), on tiny
+Llama, Qwen2, Qwen3 and Mistral sequence classifiers: K = 2 and 4, unpacked and packed, with padding
+(lines of different lengths, padded to a multiple of 128), standard rows packed without sharing, and
+the gradients of a Bradley-Terry loss. Also: where the score is read (the last token that is not the
+pad token, as the stock model pools), the loss, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_examples
+from reward_helpers import tiny_reward_model
+from prefixdpo.data.batch import build_batch
+from prefixdpo.data.example import Example
+from prefixdpo.forward import prepare_model
+from prefixdpo.logprobs import UnsupportedModelError
+from prefixdpo.reward.losses import pair_reward_losses
+from prefixdpo.reward.scores import compute_response_scores, score_positions
+from prefixdpo.reward.verify import compare_scores
+
+TOL = 1e-5  # scores: abs diff <= TOL x max(1, largest |score|); gradients: x max(1, largest entry)
+# (prompt length, response lengths): K = 2, K = 4 (best vs each), K = 2 with a one-token response
+SHAPES = ((7, (5, 3)), (4, (6, 2, 3, 4)), (9, (1, 8)))
+LAYOUTS = {  # name: (packs, prefix_sharing, pad_multiple)
+    "shared, unpacked, padded": (None, True, 128),
+    "shared, one packed line": ([[0, 1, 2]], True, 1),
+    "shared, two packed lines, padded": ([[0, 2], [1]], True, 128),
+    "standard rows packed, no sharing": ([[0, 1], [2]], False, 1),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_scores_and_gradients_equal_separate_stock_passes(arch):
+    model = tiny_reward_model(arch)
+    examples = random_examples(seed=1, shapes=SHAPES)  # tokens 3..95: the pad token (0) occurs only as padding
+    for name, (packs, sharing, multiple) in LAYOUTS.items():
+        result = compare_scores(model, examples, packs=packs, prefix_sharing=sharing, pad_multiple=multiple, case=name)
+        assert result.logp_scale > 0.1 and result.grad_scale > 1e-3  # the comparison means something
+        assert result.ok(TOL, TOL), (arch, name, result)
+
+
+def test_the_score_is_read_where_the_stock_model_pools():
+    """Responses ending in (or made only of) the pad token: TRL's pad is often the EOS ending every response,
+    and the stock model reads the last token that is not the pad token, in the prompt if need be."""
+    pad = 5
+    model = tiny_reward_model("qwen2", pad_token_id=pad)
+    examples = [Example([9, 10, 11], [[12, 13, pad], [pad]], pairs=[(0, 1)]),
+                Example([pad, 20, pad], [[pad, pad], [21, pad, 22]], pairs=[(1, 0)]),
+                Example([pad], [[pad], [30]], pairs=[(1, 0)])]
+    batch = build_batch(examples, prefix_sharing=True, packs=[[0, 1, 2]], pad_token_id=pad)
+    line, column = score_positions(batch, pad)
+    # the line: [9 10 11 | 12 13 5 | 5 ][5 20 5 | 5 5 | 21 5 22][5 | 5 | 30]
+    assert line.tolist() == [0] * 6
+    assert column.tolist() == [4, 2, 8, 14, 15, 17]
+    for packs in (None, [[0, 1, 2]]):
+        result = compare_scores(model, examples, packs=packs, pad_token_id=pad)
+        assert result.ok(TOL, TOL), (packs, result)
+
+
+def test_empty_micro_batch_joins_the_backward_with_zero_weight():
+    from prefixdpo.data.loader import empty_batch
+
+    model = tiny_reward_model("llama")
+    prepare_model(model, "sdpa")
+    scores = compute_response_scores(model, empty_batch(), backend="sdpa")
+    scores.sum().backward()
+    assert scores.tolist() == [0.0]
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_bradley_terry_loss_with_margin_and_centering():
+    scores = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    better, worse = torch.tensor([0, 2, 2]), torch.tensor([1, 1, 3])
+    margins = torch.tensor([0.5, 0.0, 1.0])
+    losses = pair_reward_losses(scores, better, worse, margins, center_coefficient=0.01)
+    gap = torch.tensor([1.5 - 0.5, 2.5, 1.75 - 1.0])
+    center = 0.01 * torch.tensor([0.5, 1.5, 2.25]) ** 2
+    assert torch.allclose(losses, torch.nn.functional.softplus(-gap) + center, atol=1e-7)
+    plain = pair_reward_losses(scores, better, worse)
+    assert torch.allclose(plain, torch.nn.functional.softplus(-torch.tensor([1.5, 2.5, 1.75])), atol=1e-7)
+
+
+def test_models_that_are_not_one_label_classifiers_are_refused():
+    from conftest import tiny_model
+
+    batch = build_batch(random_examples())
+    causal = tiny_model("llama")
+    prepare_model(causal, "sdpa")
+    with pytest.raises(UnsupportedModelError, match="no `score` head"):
+        compute_response_scores(causal, batch, backend="sdpa")
+    two = tiny_reward_model("llama", num_labels=2)
+    prepare_model(two, "sdpa")
+    with pytest.raises(UnsupportedModelError, match="num_labels=2"):
+        compute_response_scores(two, batch, backend="sdpa")
+    unpadded = tiny_reward_model("llama", pad_token_id=None)
+    prepare_model(unpadded, "sdpa")
+    with pytest.raises(UnsupportedModelError, match="pad_token_id"):
+        compute_response_scores(unpadded, batch, backend="sdpa")
