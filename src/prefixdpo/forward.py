@@ -299,6 +299,12 @@ def compute_response_logps(
         result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
         if router_aux:
             result.aux_loss = router_aux_loss(model, router_logits, batch)
+        if model_last_logits is not None and model_last_logits.requires_grad:
+            # FSDP2 crashes in backward (SIGSEGV, torch 2.13 + gloo) when an output of a sharded module (here the
+            # model's own head call) has no path to the loss: give it one, of exactly zero.
+            nothing = model_last_logits.sum() * 0.0
+            result.sums = result.sums + nothing
+            result.per_token = result.per_token + nothing
         return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if getattr(result, f.name) is not None}
 
     return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
@@ -310,8 +316,11 @@ def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
     hf = unwrap(model)
 
     def body(inner_forward, **inputs) -> dict:
-        hidden, _ = final_hidden_states(model, inner_forward, **inputs)
-        return {"loss": lm_head_fn(hf)(hidden[:, -1]).sum() * 0.0}
+        hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
+        loss = lm_head_fn(hf)(hidden[:, -1]).sum() * 0.0
+        if model_last_logits is not None:  # every output of a sharded module on a path to the loss (see above)
+            loss = loss + model_last_logits.sum() * 0.0
+        return {"loss": loss}
 
     mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
     return through_engine(model, body, **_batch_inputs(batch, mask))["loss"]

@@ -31,13 +31,14 @@ from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
+from prefixdpo.engines import enable_requested_fsdp, prepare_reference_for_engine
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import resolve_router_aux_loss_coef, restore_stock_attention, unwrap, zero_weight_loss
 from prefixdpo.metrics import MetricSums
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.model_setup import prepare_policy, prepare_reference
-from prefixdpo.reference import PrecomputedReference, choose_reference
+from prefixdpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
 from prefixdpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.step_context import StepContextBuilder
 
@@ -83,8 +84,6 @@ class PrefixDPOTrainer(Trainer):
 
         self._offload = activation_offloading_context(self.model, args.activation_offloading)
         ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
-        if ref_model is not None and not args.precompute_ref_log_probs:
-            ref_model.to(self.accelerator.device)
         self.reference = choose_reference(
             needs_reference=args.needs_reference, precompute=args.precompute_ref_log_probs, ref_model=ref_model,
             policy=self.model, chunk_size=args.logprob_chunk_size, backend=self.backend,
@@ -92,6 +91,8 @@ class PrefixDPOTrainer(Trainer):
             batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
             pad_token_id=self.pad_token_id, device=self.accelerator.device,
         )
+        if isinstance(self.reference, SeparateModelReference):  # sharded / offloaded as the policy's engine needs
+            self.reference.model = prepare_reference_for_engine(self.reference.model, self.accelerator)
         sync = tr_dpo_callback(args, self.reference, self.model)  # TR-DPO; refuses PEFT/precomputed as TRL 1.16
         if sync is not None:
             self.add_callback(sync)
@@ -108,6 +109,10 @@ class PrefixDPOTrainer(Trainer):
             for name, examples in named:
                 if examples is not None:
                     self.reference.table_for(examples, self.model, name)
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)

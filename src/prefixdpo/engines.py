@@ -1,0 +1,86 @@
+"""Sharded engines for the trainer: an engine the user asked for is applied, or refused in one line.
+
+transformers.Trainer hands sharding to accelerate. accelerate 1.15 turns FSDP on only for GPU-like
+devices: on CPU it silently trains plain DDP instead, although torch's FSDP2 (`fully_shard`) runs on CPU
+with gloo. `enable_requested_fsdp` puts the requested FSDP2 plugin back into accelerate's state, so the
+CPU run takes the very path a GPU run takes (accelerate's `fsdp2_prepare_model`, its FSDP checkpointing
+and gradient clipping), and the tests exercise it here.
+"""
+
+from __future__ import annotations
+
+from prefixdpo.errors import ConfigError
+
+
+def fsdp_requested(args) -> bool:
+    """Whether the training arguments ask for FSDP (`--fsdp ...`)."""
+    return getattr(args, "fsdp_plugin_args", None) is not None
+
+
+def enable_requested_fsdp(trainer) -> None:
+    """After `Trainer.create_accelerator_and_postprocess`: make sure a requested FSDP is on, or refuse.
+
+    Where accelerate already enabled it (GPUs), nothing changes. On CPU with several processes, the
+    plugin Trainer built from `fsdp`/`fsdp_config` is installed as accelerate would install it on a GPU.
+    """
+    args = trainer.args
+    if not fsdp_requested(args) or trainer.is_fsdp_enabled:
+        return
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if state.distributed_type == DistributedType.DEEPSPEED:
+        raise ConfigError("fsdp and deepspeed are both set: choose one engine")
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        raise ConfigError(
+            f"fsdp was requested but this run is {state.distributed_type.value} with {state.num_processes} "
+            "process(es): launch it with several processes (torchrun --nproc_per_node N, or accelerate launch)"
+        )
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if plugin.fsdp_version != 2:
+        raise ConfigError("fsdp on CPU needs FSDP2: set fsdp_config version 2 (FSDP1 is deprecated)")
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+
+
+def prepare_reference_for_engine(ref_model, accelerator):
+    """A separate frozen reference model, prepared the way the policy's engine needs: sharded like the
+    policy under FSDP (TRL's `prepare_fsdp`), a ZeRO inference engine under DeepSpeed; else returned as
+    on the device. Always in eval mode with no gradients."""
+    from accelerate.utils import DistributedType
+
+    ref_model.requires_grad_(False)
+    ref_model.eval()
+    kind = accelerator.state.distributed_type
+    if kind == DistributedType.FSDP:
+        from trl.models import prepare_fsdp
+
+        ref_model.to(accelerator.device)
+        return prepare_fsdp(ref_model, accelerator)
+    if kind == DistributedType.DEEPSPEED:
+        from trl.models import prepare_deepspeed
+
+        return prepare_deepspeed(ref_model, accelerator)
+    return ref_model.to(accelerator.device)
+
+
+def sharded_parameter_count(model) -> tuple[int, int]:
+    """(parameters held as sharded DTensors, all parameters) of `model`: how a test or a log line shows
+    that FSDP2 really sharded it."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    sharded = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) for p in params)
+    return int(sharded), len(params)
+
+
+def local_numel(model) -> int:
+    """Elements of `model`'s parameters stored on this rank (a DTensor counts its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return int(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()))
+
+
+__all__ = ["enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
+           "sharded_parameter_count"]
