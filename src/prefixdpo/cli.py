@@ -13,10 +13,11 @@ from prefixdpo.errors import UserError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixdpo",
-        description="Exact, fast DPO-family preference tuning of Hugging Face causal LMs by prefix sharing.",
+        description="Exact, fast DPO-family preference tuning and reward-model training of Hugging Face models by "
+                    "prefix sharing.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in (*COMMANDS, *(("reward",) if "reward" not in COMMANDS else ())):
         try:
             module = importlib.import_module(f"prefixdpo.commands.{name}")
         except ModuleNotFoundError as err:

@@ -41,7 +41,11 @@ def register(subparsers) -> None:
             "Exits non-zero if a difference is above tolerance."
         ),
     )
-    p.add_argument("--model", required=True, help="model directory or hub name (AutoModelForCausalLM)")
+    p.add_argument("--model", required=True, help="model directory or hub name (AutoModelForCausalLM; with --task "
+                                                  "reward: AutoModelForSequenceClassification, num_labels=1)")
+    p.add_argument("--task", default="dpo", choices=["dpo", "reward"],
+                   help="dpo: per-response log-probs and a DPO loss's gradients; reward: reward-model scores "
+                        "(the last token of each response) and a Bradley-Terry loss's gradients")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_TOLERANCES), help="compute dtype (default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -98,7 +102,17 @@ def run(args) -> int:
     from prefixdpo.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    model = load_causal_lm(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
+    quantity, compare_fn = "logp", compare
+    if args.task == "reward":
+        import functools
+
+        from prefixdpo.reward.verify import compare_scores, load_for_verify
+
+        model, pad = load_for_verify(args.model, tokenizer, dtype=dtype, device=args.device,
+                                     trust_remote_code=args.trust_remote_code)
+        quantity, compare_fn = "score", functools.partial(compare_scores, pad_token_id=pad)
+    else:
+        model = load_causal_lm(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
     model.train(False)  # dropout off: both sides must compute the same function
     examples = _examples(tokenizer, args.text_file)
     n = len(examples)
@@ -125,14 +139,14 @@ def run(args) -> int:
     print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={args.attention}, "
           f"{n} examples, K = {sorted({e.num_responses for e in examples})}; "
           f"stock passes: {stock_implementation(model)} attention")
-    print(f"tolerances: logp |ours - separate| <= {logp_tol:g} x max(1, largest |logp|); "
+    print(f"tolerances: {quantity} |ours - separate| <= {logp_tol:g} x max(1, largest |{quantity}|); "
           f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
     if forward_only:
         print("gradients not compared: FlexAttention has no backward on CPU (log-probs only)")
-    print(f"{'case':38} {'max |dlogp|':>12} {'max |dgrad|':>12}  result")
+    print(f"{'case':38} {f'max |d{quantity}|':>12} {'max |dgrad|':>12}  result")
     failed = False
     for name, packs, sharing in cases:
-        result = compare(
+        result = compare_fn(
             model, examples, packs=packs, backend=args.attention, case=name, pad_multiple=pad_multiple,
             restart_positions=not args.no_restart_positions, prefix_sharing=sharing,
         )

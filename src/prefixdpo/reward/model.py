@@ -59,9 +59,12 @@ def _tokens_in_vocab(tokenizer, **tokens) -> None:
 
 def agree_special_tokens(model, tokenizer, args) -> None:
     """TRL's rule: `eos_token` (if set) and the pad token (`pad_token`, else the tokenizer's, else its EOS)
-    become the tokenizer's, and the model config's pad_token_id marks where each sequence's score is read."""
-    if tokenizer is None:
-        raise UserError("PrefixRewardTrainer needs processing_class (a tokenizer) or a model given by name")
+    become the tokenizer's, and the model config's pad_token_id marks where each sequence's score is read.
+    Without a tokenizer (Examples already tokenized) the model's config is left as it is."""
+    if tokenizer is None:  # Examples given as token ids: the model's own pad_token_id stays (as the stock model)
+        if args.pad_token or args.eos_token or args.chat_template_path:
+            raise UserError("pad_token, eos_token and chat_template_path need processing_class (a tokenizer)")
+        return
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     _tokens_in_vocab(tokenizer, eos_token=args.eos_token)
     if args.eos_token is not None:

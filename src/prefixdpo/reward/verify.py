@@ -34,16 +34,21 @@ def _grads(model) -> torch.Tensor:
 
 
 def compare_scores(model, examples: list[Example], *, packs=None, backend: str = "sdpa", prefix_sharing: bool = True,
-                   pad_multiple: int = 1, case: str = "", pad_token_id: int = 0) -> VerifyResult:
+                   pad_multiple: int = 1, case: str = "", pad_token_id: int = 0,
+                   restart_positions: bool = True) -> VerifyResult:
     """Max abs diff of per-response scores and of Bradley-Terry-loss gradients, our layout vs separate passes.
 
     packs / prefix_sharing / pad_multiple: the layout, as `prefixdpo.verify.compare` (padding tokens are
     `pad_token_id`). Gradients are compared where the backend has a backward on the model's device.
-    `VerifyResult.logp_*` hold the score differences.
+    `VerifyResult.logp_*` hold the score differences. restart_positions=False breaks the layout on purpose
+    (positions run on through the row), to show the check catches a wrong setup.
     """
     device = next(model.parameters()).device
     batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple,
-                        pad_token_id=pad_token_id).to(device)
+                        pad_token_id=pad_token_id)
+    if not restart_positions:
+        batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
+    batch = batch.to(device)
     with_grad = not (backend == "flex" and device.type == "cpu")
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(with_grad):
@@ -61,3 +66,18 @@ def compare_scores(model, examples: list[Example], *, packs=None, backend: str =
         result.grad_diff = (grads[1] - grads[0]).abs().max().item()
         result.grad_scale = grads[0].abs().max().item()
     return result
+
+
+def load_for_verify(name, tokenizer, *, dtype, device: str, trust_remote_code: bool = False):
+    """(reward model on `device`, in eval mode, pad token id): `name` loaded as a one-label sequence classifier
+    (a causal LM gets a new, seeded score head), its pad token the tokenizer's pad, else EOS (TRL's rule)."""
+    from prefixdpo.errors import UserError
+    from prefixdpo.reward.model import load_reward_model
+
+    model = load_reward_model(name, dtype=dtype, trust_remote_code=trust_remote_code, seed=0).to(device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise UserError(f"the tokenizer of {name} has neither a pad nor an EOS token: the score position is undefined")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg.pad_token_id = pad
+    return model.train(False), pad

@@ -1,0 +1,122 @@
+"""`prefixdpo reward [config.yaml] [--model M] [--dataset D] [--output-dir DIR] [--any-config-option V ...]`:
+train a Bradley-Terry reward model (TRL's `RewardTrainer`) with prefix sharing.
+
+The model is any decoder checkpoint, loaded as an `AutoModelForSequenceClassification` with one label
+(a causal LM gets a new score head, as TRL does); the data is any preference dataset `prefixdpo train`
+reads (standard, conversational, implicit prompt, multi-response with a pairs policy), with an optional
+`margin` column. Without `--model` and `--dataset`: the embedded default (the DPO demo's locally built
+model and rule-following data), with hyper-parameters suited to it (`make demo-reward`). Every other option
+is a `PrefixRewardConfig` / `RewardModelArguments` / `RewardDataArguments` field, spelled with dashes or
+underscores, from the YAML file or the command line (command line wins).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from prefixdpo.errors import UserError
+
+# For the embedded default's random-init model (each only where neither the YAML file nor the command line
+# sets it). A reward model learns the rule faster than DPO's policy: one epoch at a constant 2e-3 reaches a
+# held-out accuracy near 1; no gradient checkpointing, fp32 everywhere (the same numbers on every device).
+DEMO_DEFAULTS: dict[str, str] = {
+    "output_dir": "prefixdpo-output/demo-reward",
+    "learning_rate": "2e-3",
+    "lr_scheduler_type": "constant",
+    "max_grad_norm": "0",
+    "num_train_epochs": "1",
+    "per_device_train_batch_size": "16",
+    "per_device_eval_batch_size": "50",
+    "logging_steps": "25",
+    "save_strategy": "no",
+    "seed": "0",
+    "gradient_checkpointing": "false",
+    "bf16": "false",
+}
+
+USAGE = "prefixdpo reward [config.yaml] [--model NAME_OR_PATH] [--dataset NAME_OR_PATH] [--output-dir DIR] [--OPTION VALUE ...]"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "reward", add_help=False, usage=USAGE,
+        help="reward-model (Bradley-Terry) training with prefix sharing (no arguments: the embedded demo)",
+    )
+    p.set_defaults(func=run, pass_through=True)
+
+
+def _parser_kwargs() -> dict:
+    from prefixdpo.commands.train import _HelpFormatter
+
+    return {"prog": "prefixdpo reward", "usage": USAGE, "description": __doc__, "formatter_class": _HelpFormatter}
+
+
+def _fmt(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def run(args) -> int:
+    from prefixdpo.reward.config import parse_reward_args, reward_argument_parser, reward_data_options
+
+    argv = list(getattr(args, "extra_argv", []))
+    if any(a in ("-h", "--help") for a in argv):
+        reward_argument_parser(**_parser_kwargs()).print_help()
+        return 0
+    config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS, **_parser_kwargs())
+
+    from prefixdpo.models import load_tokenizer
+    from prefixdpo.reward.data import reward_examples
+    from prefixdpo.reward.model import load_reward_model
+    from prefixdpo.reward.trainer import PrefixRewardTrainer
+
+    start = time.time()
+    demo = None
+    if model_args.model_name_or_path is None or data_args.dataset_name is None:
+        from prefixdpo.demo import build_demo
+
+        demo = build_demo(os.path.join(config.output_dir, "demo-base"))
+        print(f"Embedded default built in {demo.model_dir.parent}.")
+    name = model_args.model_name_or_path or str(demo.model_dir)
+    revision = (config.model_init_kwargs or {}).get("revision")
+    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code, revision=revision)
+    model = load_reward_model(name, dtype=model_args.dtype, trust_remote_code=config.trust_remote_code,
+                              model_init_kwargs=config.model_init_kwargs, seed=config.seed)
+
+    options = reward_data_options(config, data_args)
+    source = data_args.dataset_name
+    if source is None:
+        options.split, options.eval_split = "train", "test"
+        source = {"train": str(demo.train_file), "test": str(demo.eval_file)}
+    reports: dict = {}
+    train = reward_examples(source, tokenizer, options, "train", reports)
+    print(f"Train data: {reports['train'].summary()}")
+    held_out = None
+    if options.eval_split is not None:
+        options.split = options.eval_split
+        held_out = reward_examples(source, tokenizer, options, "eval", reports)
+        print(f"Held-out data: {reports['eval'].summary()}")
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Reward model: {name} ({type(model).__name__}, {params / 1e6:.2f}M parameters); {len(train)} training "
+          f"examples; output: {config.output_dir}", flush=True)
+    trainer = PrefixRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=held_out,
+                                  processing_class=tokenizer, peft_config=model_args.peft_config())
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.save_model(config.output_dir)
+    print()
+    if held_out:
+        metrics = trainer.evaluate()
+        print(f"Held-out pairwise accuracy (eval_accuracy): {_fmt(metrics.get('eval_accuracy'))} on "
+              f"{sum(len(ex.pairs) for ex in held_out)} pairs; "
+              f"eval_loss {_fmt(metrics.get('eval_loss'))}; eval_margin {_fmt(metrics.get('eval_margin'))}")
+    else:
+        logged = [h for h in trainer.state.log_history if "accuracy" in h]
+        if not logged:
+            raise UserError("training logged no step (is the dataset smaller than one optimizer step?)")
+        print(f"No held-out split (pass --dataset_test_split NAME); last training accuracy: "
+              f"{_fmt(logged[-1]['accuracy'])}")
+    print(f"Reward model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
+    sys.stdout.flush()
+    return 0

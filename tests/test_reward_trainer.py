@@ -1,0 +1,176 @@
+"""`PrefixRewardTrainer` end to end on tiny models: any layout of a step (unpacked, packed, accumulated, two
+gloo ranks) gives the same losses and weights; resume equals an uninterrupted run; evaluation; LoRA for
+sequence classification trains the score head; TRL's pad/EOS rules and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import make_examples
+from reward_helpers import tiny_reward_model
+from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
+
+
+def config(tmp_path, name: str, **kw) -> PrefixRewardConfig:
+    base = dict(output_dir=str(tmp_path / name), logging_steps=1, learning_rate=0.05, optim="sgd",
+                lr_scheduler_type="constant", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                report_to="none", gradient_checkpointing=False, center_rewards_coefficient=0.01)
+    base.update(kw)
+    return PrefixRewardConfig(**base)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def train(tmp_path, name, examples, **kw):
+    trainer = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=examples,
+                                  args=config(tmp_path, name, **kw))
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_every_layout_of_a_step_gives_the_same_step(tmp_path):
+    """8 examples (K = 2 and 3, every pair best-vs-each) in one step: unpacked, packed, accumulated, and as
+    standard rows. One large SGD step without clipping: (after - before) / lr is the gradient, with little
+    weight rounding in it."""
+    lr = 10.0
+    examples = make_examples(8, ks=(2, 3))
+    runs = {name: train(tmp_path, name, examples, max_steps=1, learning_rate=lr, max_grad_norm=0, **kw)
+            for name, kw in {
+                "unpacked": dict(per_device_train_batch_size=8),
+                "packed": dict(per_device_train_batch_size=16, packing=True, pack_length=64),
+                "accumulated": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                "standard rows": dict(per_device_train_batch_size=8, prefix_sharing=False),
+            }.items()}
+    start = flat(tiny_reward_model("llama"))
+    base_trainer, (base_log,) = runs["unpacked"]
+    base_grad = (start - flat(base_trainer.model)) / lr
+    scale = base_grad.abs().max().item()
+    assert scale > 1e-3
+    for name, (trainer, (log,)) in runs.items():
+        for key in ("loss", "margin", "mean_reward", "min_reward", "max_reward", "grad_norm"):
+            assert log[key] == pytest.approx(base_log[key], rel=1e-5, abs=1e-7), (name, key)
+        grad = (start - flat(trainer.model)) / lr
+        assert (grad - base_grad).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    examples = make_examples(8, ks=(2, 3))
+    kw = dict(per_device_train_batch_size=2, max_steps=6, save_strategy="steps", save_steps=3)  # crosses an epoch
+    whole, whole_logs = train(tmp_path, "whole", examples, **kw)
+    first = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=examples,
+                                args=config(tmp_path, "parts", **{**kw, "max_steps": 3}))
+    first.train()
+    second = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=examples,
+                                 args=config(tmp_path, "parts", **kw))
+    second.train(resume_from_checkpoint="latest")
+    resumed = [h for h in second.state.log_history if "loss" in h]
+    assert [h["step"] for h in resumed[-3:]] == [4, 5, 6]
+    for a, b in zip(whole_logs[3:], resumed[-3:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["margin"] == pytest.approx(a["margin"], rel=1e-6)
+    assert torch.allclose(flat(second.model), flat(whole.model), atol=1e-6)
+
+
+def test_evaluation_and_saved_model(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    examples = make_examples(6, ks=(2, 4))
+    trainer = PrefixRewardTrainer(model=tiny_reward_model("qwen2"), train_dataset=examples, eval_dataset=examples,
+                                  args=config(tmp_path, "eval", per_device_eval_batch_size=4, max_steps=1))
+    metrics = trainer.evaluate()
+    pairs = sum(len(ex.pairs) for ex in examples)
+    assert set(metrics) >= {"eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
+                            "eval_max_reward"}
+    assert metrics["eval_min_reward"] <= metrics["eval_mean_reward"] <= metrics["eval_max_reward"]
+    assert round(metrics["eval_accuracy"] * pairs) == pytest.approx(metrics["eval_accuracy"] * pairs, abs=1e-9)
+    trainer.save_model()
+    saved = AutoModelForSequenceClassification.from_pretrained(trainer.args.output_dir)  # stock attention name
+    assert saved.config.num_labels == 1 and saved.config._attn_implementation == "sdpa"
+
+
+def test_lora_for_sequence_classification_trains_the_score_head(tmp_path):
+    from peft import LoraConfig
+
+    trainer = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=make_examples(4),
+                                  peft_config=LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear"),
+                                  args=config(tmp_path, "lora", max_steps=1, per_device_train_batch_size=4))
+    names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in names) and any("score" in n and "lora" not in n for n in names)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before if "score" in n)
+
+
+def test_pad_and_eos_tokens_follow_trl_and_bad_models_are_refused(tmp_path):
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+    from prefixdpo.errors import UserError
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.pad_token = None
+    model = tiny_reward_model("llama", vocab_size=len(tokenizer), pad_token_id=None)
+    records = [{"prompt": "hello world", "chosen": " yes", "rejected": " no"}] * 2
+    trainer = PrefixRewardTrainer(model=model, processing_class=tokenizer, train_dataset=records,
+                                  args=config(tmp_path, "pad"))
+    assert tokenizer.pad_token == tokenizer.eos_token  # TRL: no pad token -> the EOS token
+    assert trainer.model.config.pad_token_id == tokenizer.eos_token_id
+    with pytest.raises(UserError, match="pad_token='<nope>' is not a token"):
+        PrefixRewardTrainer(model=model, processing_class=tokenizer, train_dataset=records,
+                            args=config(tmp_path, "pad2", pad_token="<nope>"))
+    with pytest.raises(UserError, match="num_labels=2"):
+        PrefixRewardTrainer(model=tiny_reward_model("llama", num_labels=2), processing_class=tokenizer,
+                            train_dataset=records, args=config(tmp_path, "labels"))
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from conftest import make_examples
+    from reward_helpers import tiny_reward_model
+    from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
+
+    out = sys.argv[1]
+    args = PrefixRewardConfig(output_dir=out, per_device_train_batch_size=2, num_train_epochs=2, logging_steps=1,
+                              learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
+                              use_cpu=True, disable_tqdm=True, seed=0, report_to="none", ddp_backend="gloo",
+                              gradient_checkpointing=False, center_rewards_coefficient=0.01)
+    t = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=make_examples(7, ks=(2, 3)), args=args)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    params = torch.cat([p.detach().flatten() for p in t.model.parameters()])
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump({{"logs": logs, "params": params.tolist()}}, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # leave together (gloo threads)
+    """
+)
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    """7 examples (K = 2 and 3), 2 epochs: 2 ranks x 2 per step (one rank runs an empty slot in the last step
+    of each epoch) against one process with 4 per step."""
+    script = tmp_path / "ddp_reward.py"
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29541", str(script), str(tmp_path / "ddp")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = json.loads((tmp_path / "ddp" / "result.json").read_text())
+    one, logs = train(tmp_path, "one", make_examples(7, ks=(2, 3)), per_device_train_batch_size=4, num_train_epochs=2)
+    assert len(logs) == len(two["logs"]) == 4
+    for a, b in zip(logs, two["logs"]):
+        for key in ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert torch.allclose(torch.tensor(two["params"]), flat(one.model), atol=1e-5)
