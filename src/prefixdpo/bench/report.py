@@ -41,7 +41,7 @@ def _spread(s, fmt="{:.2f}") -> str:
 def markdown_report(results: list[ProfileResult], meta: dict) -> str:
     """Two tables: per profile and mode (throughput, memory, padding), and the speedups vs the paper's."""
     lines = ["# prefixdpo bench", ""]
-    for key in ("device", "model", "settings", "memory", "timing"):
+    for key in ("task", "device", "model", "settings", "memory", "timing"):
         if key in meta:
             lines.append(f"- **{key}**: {meta[key]}")
     lines += ["", "## Throughput per mode (median (min-max) over the counted passes)", "",
@@ -74,9 +74,9 @@ def markdown_report(results: list[ProfileResult], meta: dict) -> str:
         pack = "one line per step" if r.pack_length is None else r.pack_length
         lines.append(f"| {r.name} | {r.examples} | {r.steps} | {r.length_scale:.2f} | {pack} | "
                      f"{fs['standard']} | {fs['shared']} |")
-    lines += ["", "ideal = useful forward FLOPs of standard DPO / of prefix sharing on the same examples (real "
-              "tokens; matmuls + attention over allowed query-key pairs; LM head where a response token is "
-              "predicted). achieved/ideal = shared-packed over paired-packed, divided by ideal. "
+    lines += ["", "ideal = useful forward FLOPs of standard paired training / of prefix sharing on the same examples "
+              "(real tokens; matmuls + attention over allowed query-key pairs; LM head where a response token is "
+              "predicted, none for a reward model). achieved/ideal = shared-packed over paired-packed, divided by ideal. "
               "Aims: shared > paired; shared-packed/paired-packed >= the paper's packed speedup; "
               "achieved/ideal >= 0.9."]
     return "\n".join(lines) + "\n"

@@ -40,6 +40,9 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("--quick", action="store_true", help="small, fast run (about a minute on 2 CPU cores)")
+    p.add_argument("--task", default="dpo", choices=["dpo", "reward"],
+                   help="dpo: a DPO step (policy + reference); reward: a reward-model step (Bradley-Terry, as TRL's "
+                        "RewardTrainer: one scoring pass, no reference, no LM head), with its own ideal")
     p.add_argument("--profiles", default=None,
                    help="comma-separated synthetic profiles (default: all six of the paper)")
     p.add_argument("--dataset", default=None, help="a real preference dataset instead of synthetic profiles")
@@ -147,10 +150,18 @@ def run(args) -> int:
     # Flex compiles per line length, so on CUDA the packed modes keep the fixed common pack length.
     line_per_step = args.packing == "step" or (args.packing == "auto" and backend == "segmented")
     model = args.model or SHAPES[settings["model_size"]]
-    policy, reference, shape = build_models(model, device=args.device, dtype=dtype, backend=backend,
-                                            seed=args.seed, trust_remote_code=args.trust_remote_code)
+    reward = args.task == "reward"
+    if reward:
+        from prefixdpo.bench.reward import RewardStep, build_reward_model
+
+        policy, shape = build_reward_model(model, device=args.device, dtype=dtype, backend=backend, seed=args.seed,
+                                           trust_remote_code=args.trust_remote_code)
+        stepper = RewardStep(policy, backend=backend)
+    else:
+        policy, reference, shape = build_models(model, device=args.device, dtype=dtype, backend=backend,
+                                                seed=args.seed, trust_remote_code=args.trust_remote_code)
+        stepper = DPOStep(policy, reference, backend=backend)
     workloads = _workloads(args, settings, shape.vocab)
-    stepper = DPOStep(policy, reference, backend=backend)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
     steps = sum(len(w.groups) for w in workloads) * (settings["warmup"] + settings["repeats"]) * len(MODES)
@@ -163,11 +174,21 @@ def run(args) -> int:
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
                                         line_per_step=line_per_step))
     elapsed = time.perf_counter() - t0
+    if reward:
+        from prefixdpo.bench.reward import reward_ideal_speedup, reward_flop_split
+
+        for w, r in zip(workloads, results):  # the paper measured DPO: its numbers are not this task's
+            r.ideal, r.paper = reward_ideal_speedup(shape, w.examples), None
+            r.flop_split = {k: reward_flop_split(shape, w.examples, shared=k == "shared") for k in r.flop_split}
 
     model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "
                                 f"intermediate {shape.intermediate}, {shape.layers} layers, {shape.heads} heads "
                                 f"/ {shape.kv_heads} KV, head_dim {shape.head_dim}, vocab {shape.vocab}")
     meta = {
+        "task": ("reward model: one scoring pass with grad + AdamW per step, Bradley-Terry loss, no reference "
+                 "and no LM head; ideal = body + attention FLOPs of standard / prefix-shared rows (the paper's "
+                 "columns are DPO's, so left empty)") if reward else
+                "DPO: policy forward + backward, reference forward, AdamW per step",
         "device": (f"{args.device} ({torch.cuda.get_device_name()}), bf16" if cuda else
                    f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32")
                   + f", attention backend '{backend}' in every mode",
