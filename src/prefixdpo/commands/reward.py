@@ -18,14 +18,16 @@ import time
 
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
-# sets it). A reward model learns the rule faster than DPO's policy: one epoch at a constant 2e-3 reaches a
-# held-out accuracy near 1; no gradient checkpointing, fp32 everywhere (the same numbers on every device).
+# sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
+# so it learns slower than DPO's per-token log-probs: measured on the demo data, held-out accuracy 0.70 after
+# 100 steps, 0.96 after 150 and 0.98-1.0 from 200 at a constant 1e-3 (2e-3 stalled near 0.7, 5e-3 did not learn).
+# No gradient clipping, no gradient checkpointing, fp32 everywhere (the same numbers on every device).
 DEMO_DEFAULTS: dict[str, str] = {
     "output_dir": "prefixdpo-output/demo-reward",
-    "learning_rate": "2e-3",
+    "learning_rate": "1e-3",
     "lr_scheduler_type": "constant",
     "max_grad_norm": "0",
-    "num_train_epochs": "1",
+    "num_train_epochs": "2",
     "per_device_train_batch_size": "16",
     "per_device_eval_batch_size": "50",
     "logging_steps": "25",
