@@ -39,6 +39,10 @@ def enable_requested_fsdp(trainer) -> None:
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     if plugin.fsdp_version != 2:
         raise ConfigError("fsdp on CPU needs FSDP2: set fsdp_config version 2 (FSDP1 is deprecated)")
+    # as accelerate does on a GPU: AcceleratorState re-reads PartialState's shared type on every construction
+    from accelerate.state import PartialState
+
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
