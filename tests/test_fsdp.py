@@ -201,3 +201,16 @@ def test_fsdp2_resume_equals_uninterrupted_and_exports_a_stock_model(runs):
     with torch.no_grad():
         logits = loaded(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten()
     assert torch.allclose(logits, torch.tensor(two["export-logits"]), atol=1e-5)
+
+
+def test_fsdp_in_one_cpu_process_is_refused_in_one_line(tmp_path):
+    """accelerate would silently train without FSDP here; we refuse, naming what to do."""
+    from conftest import make_examples, tiny_model
+    from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.errors import ConfigError
+    from prefixdpo.trainer import PrefixDPOTrainer
+
+    args = PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_checkpointing=False,
+                           fsdp="full_shard auto_wrap", fsdp_config={"version": 2})
+    with pytest.raises(ConfigError, match="launch it with several processes"):
+        PrefixDPOTrainer(model=tiny_model("llama"), train_dataset=make_examples(4), args=args)

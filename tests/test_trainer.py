@@ -369,3 +369,24 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
     train(config(tmp_path, loss_type=["aot"], max_steps=1, per_device_train_batch_size=2,
                  gradient_accumulation_steps=2), make_examples(4))
     assert len(calls) == 2  # two micro-batches, one reference pass each (not two)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypatch, rank):
+    """A sharded model's forward is a collective: a rank with fewer examples must still run every batch."""
+    import prefixdpo.reference as reference
+
+    examples = make_examples(7)  # over 3 ranks: 3, 2, 2 examples; batch 2 -> 2 batches each
+    calls = []
+
+    def fake_sums(model, batch, **kwargs):
+        calls.append(batch.num_responses)
+        return torch.arange(batch.num_responses, dtype=torch.float32)
+
+    monkeypatch.setattr(reference, "_dist", lambda: (rank, 3))
+    monkeypatch.setattr(reference, "reference_sums", fake_sums)
+    monkeypatch.setattr(torch.distributed, "all_gather_object",
+                        lambda out, obj: out.__setitem__(slice(None), [obj] * len(out)))
+    with pytest.raises(KeyError):  # the fake gather gives only this rank's examples; we only count batches
+        reference.compute_table(None, examples, batch_size=2, device="cpu")
+    assert len(calls) == 2

@@ -336,9 +336,12 @@ def compute_table(
     mine = list(range(rank, len(examples), world))
     mine.sort(key=lambda i: examples[i].shared_length)  # similar lengths together: less padding
     results: dict[int, list[float]] = {}
-    for start in range(0, len(mine), batch_size):
+    # every rank runs the same number of batches: a sharded (FSDP2 / ZeRO-3) model's forward is a collective
+    batches = -(-(-(-len(examples) // world)) // batch_size)
+    for start in range(0, batches * batch_size, batch_size):
         ids = mine[start : start + batch_size]
-        batch = build_batch([examples[i] for i in ids], prefix_sharing=True, pad_token_id=pad_token_id).to(device)
+        run = ids or [0]  # a rank out of examples runs example 0 and keeps nothing
+        batch = build_batch([examples[i] for i in run], prefix_sharing=True, pad_token_id=pad_token_id).to(device)
         sums = reference_sums(model, batch, adapter_off=adapter_off, chunk_size=chunk_size,
                               backend=backend).float().cpu()
         offset = 0
