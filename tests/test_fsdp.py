@@ -7,8 +7,8 @@ One 2-process launch and one 1-process launch run every case; the tests compare 
   with LoRA (adapter-off reference). Every FSDP case asserts the parameters were DTensors sharded over the
   2 ranks during the steps (each rank held half the elements), not only that the run finished.
 - Packing: 1 process x 4 == 2 ranks x 2 (FSDP2 and plain DDP) == 1 process x 2 x accumulation 2.
-- FSDP2 save at step 2, resume to step 4 == uninterrupted; the exported model reloads with stock
-  `from_pretrained` and gives the trained model's logits.
+- FSDP2 save at step 2 (sharded checkpoint), resume to step 4 == uninterrupted; the exported model reloads
+  with stock `from_pretrained` and gives the trained model's logits.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ SCRIPT = textwrap.dedent(
             results[name] = run(name, per_device_train_batch_size=2, **kw)[1]
         # save at step 2 (of 4: the schedule is the uninterrupted run's), resume to 4; export the final model.
         # AdamW: torch's full optimizer state dict cannot load a stateless optimizer (plain SGD) under FSDP2.
-        adam = dict(packed, optim="adamw_torch", learning_rate=1e-2, **FSDP)
+        # Checkpoints sharded (SHARDED_STATE_DICT, as examples/accelerate/fsdp2.yaml); the export is whole.
+        sharded = dict(FSDP, fsdp_config=dict(FSDP["fsdp_config"], state_dict_type="SHARDED_STATE_DICT"))
+        adam = dict(packed, optim="adamw_torch", learning_rate=1e-2, **sharded)
         results["fsdp-whole"] = run("fsdp-whole", per_device_train_batch_size=2, **adam)[1]
         run("fsdp-save", per_device_train_batch_size=2, save_strategy="steps", save_steps=2, max_steps=4,
             stop_after=2, **adam)

@@ -9,6 +9,8 @@ and gradient clipping), and the tests exercise it here.
 
 from __future__ import annotations
 
+import contextlib
+
 from prefixdpo.errors import ConfigError
 
 
@@ -46,6 +48,22 @@ def enable_requested_fsdp(trainer) -> None:
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
+
+
+@contextlib.contextmanager
+def whole_model_state_dict(trainer):
+    """Within: FSDP saves gather the whole model, also where checkpoints are sharded (`SHARDED_STATE_DICT`,
+    the fast way to checkpoint). A model the user exports must load with stock `from_pretrained`."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or plugin is None or "SHARDED" not in str(plugin.state_dict_type):
+        yield
+        return
+    previous = plugin.state_dict_type
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.set_state_dict_type(previous)
 
 
 def prepare_reference_for_engine(ref_model, accelerator):
@@ -87,4 +105,4 @@ def local_numel(model) -> int:
 
 
 __all__ = ["enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
-           "sharded_parameter_count"]
+           "sharded_parameter_count", "whole_model_state_dict"]

@@ -19,6 +19,7 @@ packing spread the pairs over micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 
@@ -31,7 +32,7 @@ from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
-from prefixdpo.engines import enable_requested_fsdp, prepare_reference_for_engine
+from prefixdpo.engines import enable_requested_fsdp, prepare_reference_for_engine, whole_model_state_dict
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import resolve_router_aux_loss_coef, restore_stock_attention, unwrap, zero_weight_loss
@@ -267,6 +268,8 @@ class PrefixDPOTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        # checkpoints (internal calls) stay as configured; an export is always a whole, stock-loadable model
+        with contextlib.nullcontext() if _internal_call else whole_model_state_dict(self):
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
