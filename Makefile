@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-quick gpu-check clean
+.PHONY: setup test demo demo-reward bench bench-quick gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/prefixdpo train
+
+# A reward model (Bradley-Terry, as TRL's RewardTrainer) on the same embedded default.
+demo-reward: $(STAMP)
+	$(VENV)/bin/prefixdpo reward
 
 bench: $(STAMP)
 	$(VENV)/bin/prefixdpo bench

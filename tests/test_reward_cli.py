@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from prefixdpo.cli import main
@@ -115,3 +116,18 @@ def test_bench_task_reward_reports_shared_packed_over_paired_packed_with_its_ide
         assert profile["paper"] is None and profile["flop_split"]["shared"]["lm_head"] == 0.0
         assert profile["ideal"] > 1.0 and profile["speedups"]["shared_packed_vs_paired_packed"]["median"] > 0
     assert "| ultrafeedback-k4 |" in capsys.readouterr().out
+
+
+def test_multi_response_records_give_every_pair_of_the_policy_and_their_margin(saved):
+    from prefixdpo.config import DataArguments
+    from prefixdpo.models import load_tokenizer
+    from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
+    from prefixdpo.reward.data import pair_margins, reward_examples
+
+    records = [{"prompt": "pick one", "completions": [" a", " b", " c"], "scores": [1, 3, 2], "margin": 0.5},
+               {"prompt": "another", "completions": [" x", " y"], "scores": [0, 1], "margin": -1}]
+    options = reward_data_options(PrefixRewardConfig(use_cpu=True), DataArguments(pairs_policy="best_vs_each"))
+
+    examples = reward_examples(records, load_tokenizer(saved / "model"), options, "train", {})
+    assert [sorted(ex.pairs) for ex in examples] == [[(1, 0), (1, 2)], [(1, 0)]]  # the best against each other
+    assert pair_margins(examples, torch.tensor([1, 0])).tolist() == [-1.0, 0.5, 0.5]  # batch order

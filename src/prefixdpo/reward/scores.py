@@ -20,7 +20,7 @@ import torch
 
 from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.forward import through_engine, unwrap
+from prefixdpo.forward import sliding_window_of, through_engine, unwrap
 from prefixdpo.logprobs import UnsupportedModelError
 
 
@@ -119,6 +119,11 @@ def compute_response_scores(model, batch: Batch, *, backend: str = "auto", atten
         raise UnsupportedModelError(
             "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
             "does from the tokenizer's pad token): it marks where each sequence ends")
+    window = sliding_window_of(base_of(model))
+    if window is not None and batch.max_sequence_length > window:
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window}) is shorter than a sequence of {batch.max_sequence_length} "
+            f"tokens in this batch; prefixdpo would not reproduce it (set max_length <= {window})")
     device = batch.input_ids.device
     backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
     if attention_mask is None:
@@ -128,9 +133,11 @@ def compute_response_scores(model, batch: Batch, *, backend: str = "auto", atten
 
     def body(inner_forward, **inputs) -> dict:
         hidden = _final_hidden(model, inner_forward, **inputs)
+        # the head's own dtype: under mixed precision the body's output may differ from the head's weights
+        dtype = next(head.parameters()).dtype
         if empty:
-            return {"scores": head(hidden[:, -1]).float().sum().reshape(1) * 0.0}
-        return {"scores": head(hidden[line, column]).float().squeeze(-1)}
+            return {"scores": head(hidden[:, -1].to(dtype)).float().sum().reshape(1) * 0.0}
+        return {"scores": head(hidden[line, column].to(dtype)).float().squeeze(-1)}
 
     inputs = {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
     return through_engine(model, body, **inputs)["scores"]

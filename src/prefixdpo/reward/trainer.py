@@ -154,7 +154,7 @@ class PrefixRewardTrainer(Trainer):
         with self._offload:  # activation_offloading (TRL's context; a no-op when off)
             losses, scores = self._score_step(model, inputs, "train")
         if losses is None:
-            loss = scores.sum()  # 0 x the model's output: the empty slot still joins the gradient sync
+            loss = scores.sum() * 0.0  # the empty slot still runs the model and joins the gradient sync
         else:
             # x world size: DDP/FSDP/DeepSpeed average gradients over ranks; we want the sum over ranks of
             # (pair losses / all pairs of the step)
