@@ -10,9 +10,11 @@ model is ours to prepare, as TRL's `prepare_deepspeed` does:
   an engine with ZeRO off (stage 0), a whole copy per rank, as in TRL.
 
 Training-only blocks (optimizer, scheduler, optimizer offload) are dropped from the reference's config,
-and the ZeRO-3 bucket sizes that transformers fills from the model's hidden size at `train()` are
-filled here the same way (TRL writes them under dotted top-level keys that DeepSpeed never reads, so a
-config with `"auto"` there reaches DeepSpeed unfilled).
+and the ZeRO-3 sizes that transformers fills from the model's hidden size at `train()` (reduce and
+prefetch buckets, the persistence threshold) are filled here the same way. TRL writes them under dotted
+top-level keys that DeepSpeed never reads, so an `"auto"` there reaches DeepSpeed, which silently takes
+its own defaults (persistence threshold 1e5: every smaller parameter of the reference stays whole on
+every rank).
 
 Under ZeRO-3 a policy loaded while the DeepSpeed config is active (`from_pretrained` under `zero.Init`)
 holds only its partition on each rank: `copy.deepcopy` of it copies the empty partitions and their
