@@ -107,7 +107,7 @@ def test_reward_ideal_counts_body_and_attention_only():
 
 
 def test_bench_task_reward_reports_shared_packed_over_paired_packed_with_its_ideal(tmp_path, capsys):
-    rc = main(["bench", "--task", "reward", "--quick", "--profiles", "hh-rlhf,ultrafeedback-k4", "--examples", "2",
+    rc = main(["bench", "--task", "reward", "--quick", "--profiles", "ultrafeedback-k4", "--examples", "2",
                "--per-step", "2", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     report = json.loads((tmp_path / "bench.json").read_text())

@@ -12,8 +12,7 @@ import copy
 import pytest
 
 from reward_helpers import tiny_reward_model
-from test_trl_parity import parity_records
-from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from test_trl_parity import parity_setup
 
 RTOL = 1e-4
 KEYS = ("loss", "grad_norm", "margin", "mean_reward", "min_reward", "max_reward")
@@ -67,14 +66,8 @@ def run_ours(records, tokenizer, model, opts):
 
 @pytest.mark.parametrize("form", ["standard", "conversational"])
 def test_per_step_metrics_equal_trl_reward_trainer(tmp_path, form):
-    pytest.importorskip("trl")
-    import datasets
-    from transformers.utils import logging as hf_logging
-
-    datasets.disable_progress_bars()
-    hf_logging.set_verbosity_error()
-    tokenizer = build_tiny_tokenizer()
-    records = [{**r, "margin": 0.25 * (i % 3)} for i, r in enumerate(parity_records(16))]
+    records, tokenizer, _ = parity_setup()  # TRL or skip, progress bars off, the tiny tokenizer
+    records = [{**r, "margin": 0.25 * (i % 3)} for i, r in enumerate(records)]
     if form == "conversational":
         records = conversational(records)
     model = tiny_reward_model("llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)

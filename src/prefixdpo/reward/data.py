@@ -58,10 +58,8 @@ def with_margins(examples: list[Example], records, report, invalid: str) -> list
 def reward_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
     """`data` as Examples with margins (None stays None; Examples are used as they are, `meta["margin"]`
     if set); the data report goes to `reports[name]`."""
-    if data is None:
-        return None
-    if is_examples(data):
-        return list(data)
+    if data is None or is_examples(data):
+        return data if data is None else list(data)
     if isinstance(data, (list, tuple)) and not data:
         raise UserError(f"{name} dataset is empty")
     if tokenizer is None:

@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.forward import prepare_model
-from prefixdpo.model_setup import disable_dropout
+from prefixdpo.model_setup import prepare_policy
 from prefixdpo.models import init_kwargs_dtype, resolve_dtype
-from prefixdpo.reference import is_peft_model
 
 
 @contextlib.contextmanager
@@ -100,16 +98,6 @@ def prepare_reward_model(model, args, *, backend: str, peft_config=None, tokeniz
         raise UserError(f"the model has num_labels={getattr(model.config, 'num_labels', None)}; a reward model "
                         "outputs one score: load it with num_labels=1 (or pass its name to have it loaded so)")
     agree_special_tokens(model, tokenizer, args)
-    if peft_config is not None:
-        if is_peft_model(model):
-            raise UserError("model is already a PEFT model; do not pass peft_config as well")
-        from peft import get_peft_model
-
-        if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-        model = get_peft_model(model, peft_config)
-    if args.disable_dropout:
-        disable_dropout(model)
-    prepare_model(model, backend)
-    return model, tokenizer
+    # from here on as the DPO policy: PEFT (task SEQ_CLS trains `score` fully), dropout off, our attention
+    return prepare_policy(model, args, backend=backend, peft_config=peft_config, tokenizer=tokenizer)
 

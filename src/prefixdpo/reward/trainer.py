@@ -205,10 +205,10 @@ class PrefixRewardTrainer(Trainer):
     # ---- train / save -----------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Trainer.train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
-        if resume_from_checkpoint == "latest":
-            resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        """Trainer.train, where `resume_from_checkpoint="latest"` resumes from the newest checkpoint-* folder."""
+        latest = resume_from_checkpoint == "latest"
+        return super().train(latest_checkpoint(self.args.output_dir) if latest else resume_from_checkpoint,
+                             *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
