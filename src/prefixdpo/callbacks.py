@@ -12,6 +12,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from prefixdpo.engines import describe_engine
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
 
@@ -31,8 +32,11 @@ class PrefixDPOCallback(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.trainer._metrics["train"].reset()  # throughput excludes set-up
+        # the model is prepared by now: say which engine runs it (and that FSDP really sharded it)
+        self.trainer.engine_description = describe_engine(self.trainer.accelerator, model or self.trainer.model)
+        logger.info("engine: %s", self.trainer.engine_description)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates, or skips into them

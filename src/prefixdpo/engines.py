@@ -10,13 +10,16 @@ and gradient clipping), and the tests exercise it here.
 from __future__ import annotations
 
 import contextlib
+import os
 
 from prefixdpo.errors import ConfigError
 
 
 def fsdp_requested(args) -> bool:
-    """Whether the training arguments ask for FSDP (`--fsdp ...`)."""
-    return getattr(args, "fsdp_plugin_args", None) is not None
+    """Whether FSDP is asked for: by the training arguments (`--fsdp ...`), or by `accelerate launch` with an
+    FSDP config (which sets `ACCELERATE_USE_FSDP` and the `FSDP_*` variables for each process)."""
+    return getattr(args, "fsdp_plugin_args", None) is not None or \
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def enable_requested_fsdp(trainer) -> None:
@@ -38,7 +41,8 @@ def enable_requested_fsdp(trainer) -> None:
             f"fsdp was requested but this run is {state.distributed_type.value} with {state.num_processes} "
             "process(es): launch it with several processes (torchrun --nproc_per_node N, or accelerate launch)"
         )
-    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    # from the training arguments, else from the launcher's FSDP_* variables (the plugin reads them itself)
+    plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
     if plugin.fsdp_version != 2:
         raise ConfigError("fsdp on CPU needs FSDP2: set fsdp_config version 2 (FSDP1 is deprecated)")
     # as accelerate does on a GPU: AcceleratorState re-reads PartialState's shared type on every construction
@@ -87,6 +91,19 @@ def prepare_reference_for_engine(ref_model, accelerator):
     return ref_model.to(accelerator.device)
 
 
+def describe_engine(accelerator, model) -> str:
+    """One line saying what runs the model: the engine, the processes, and (FSDP2) how much is sharded."""
+    kind = accelerator.state.distributed_type
+    processes = accelerator.num_processes
+    if accelerator.is_fsdp2:
+        sharded, params = sharded_parameter_count(model)
+        return (f"FSDP2 over {processes} processes: {sharded} of {params} parameters sharded; this process holds "
+                f"{local_numel(model):,} of {sum(p.numel() for p in model.parameters()):,} elements")
+    if processes == 1:
+        return f"one process on {accelerator.device}"
+    return f"{kind.value} over {processes} processes"
+
+
 def sharded_parameter_count(model) -> tuple[int, int]:
     """(parameters held as sharded DTensors, all parameters) of `model`: how a test or a log line shows
     that FSDP2 really sharded it."""
@@ -104,5 +121,5 @@ def local_numel(model) -> int:
     return int(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()))
 
 
-__all__ = ["enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
+__all__ = ["describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
            "sharded_parameter_count", "whole_model_state_dict"]

@@ -104,6 +104,7 @@ class PrefixDPOTrainer(Trainer):
         self._pairs_trained = 0.0
         self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
         self._train_micro: MicroBatches | None = None
+        self.engine_description = "not started"  # set when training begins (`describe_engine`)
         if isinstance(self.reference, PrecomputedReference):  # every table before training, as TRL does
             evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
             named = [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]

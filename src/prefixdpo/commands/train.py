@@ -124,6 +124,7 @@ def run(args) -> int:
     trainer.save_model(config.output_dir)
 
     print()
+    print(f"Engine: {trainer.engine_description}")
     if prepared.eval_examples:
         metrics = trainer.evaluate()
         accuracy = metrics.get("eval_rewards/accuracies")
