@@ -154,26 +154,28 @@ def _plugin_config(stage: int, **zero):
             "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, **zero}}
 
 
-def test_reference_config_follows_trl_rules_and_fills_zero3_buckets():
+def test_reference_config_follows_trl_rules_and_fills_autos_as_transformers_does():
     model_config = SimpleNamespace(hidden_size=32)
-    policy = _plugin_config(3, reduce_bucket_size="auto", stage3_param_persistence_threshold=7)
+    policy = _plugin_config(3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                            stage3_param_persistence_threshold=7)
     ref = reference_deepspeed_config(policy, model_config)
     assert "optimizer" not in ref and "scheduler" not in ref and "offload_optimizer" not in ref["zero_optimization"]
     assert "train_batch_size" not in ref and ref["train_micro_batch_size_per_gpu"] == 2  # DeepSpeed derives it
-    assert ref["zero_optimization"]["stage"] == 3
-    assert ref["zero_optimization"]["reduce_bucket_size"] == 32 * 32  # transformers' rule for "auto"
-    assert ref["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)  # absent: filled too
-    assert ref["zero_optimization"]["stage3_param_persistence_threshold"] == 7  # the user's value stays
+    zero = ref["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["reduce_bucket_size"] == 32 * 32  # transformers' rules for "auto"
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)
+    assert zero["stage3_param_persistence_threshold"] == 7  # the user's value stays
     assert policy["zero_optimization"]["reduce_bucket_size"] == "auto" and "optimizer" in policy  # not mutated
+    assert "reduce_bucket_size" not in reference_deepspeed_config(_plugin_config(3), model_config)["zero_optimization"]
     for stage in (0, 1, 2):  # nothing to partition without gradients or optimizer state: a whole copy
-        assert reference_deepspeed_config(_plugin_config(stage), model_config)["zero_optimization"]["stage"] == 0
+        ref = reference_deepspeed_config(_plugin_config(stage, reduce_bucket_size="auto"), model_config)
+        assert ref["zero_optimization"]["stage"] == 0 and ref["zero_optimization"]["reduce_bucket_size"] == 1024
     vision = SimpleNamespace(text_config=SimpleNamespace(hidden_sizes=[8, 16]))
-    assert reference_deepspeed_config(_plugin_config(3), vision)["zero_optimization"]["reduce_bucket_size"] == 256
+    ref = reference_deepspeed_config(_plugin_config(3, reduce_bucket_size="auto"), vision)
+    assert ref["zero_optimization"]["reduce_bucket_size"] == 256
 
 
 def test_reference_config_refuses_an_auto_it_cannot_fill():
-    with pytest.raises(ConfigError, match="hidden_size"):
-        reference_deepspeed_config(_plugin_config(3), SimpleNamespace())
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
-        reference_deepspeed_config({**_plugin_config(2), "gradient_accumulation_steps": "auto"},
-                                   SimpleNamespace(hidden_size=8))
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size .*hidden_size"):
+        reference_deepspeed_config(_plugin_config(2, reduce_bucket_size="auto"), SimpleNamespace())

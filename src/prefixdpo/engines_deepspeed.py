@@ -65,9 +65,10 @@ def reference_deepspeed_config(policy_config: dict, model_config) -> dict:
     """The DeepSpeed config of a no-grad reference engine, from the policy's (a new dict; TRL's rules).
 
     policy_config: the run's DeepSpeed config (accelerate's `deepspeed_plugin.deepspeed_config`, with the
-    batch-size `"auto"`s already filled by Trainer). ZeRO-3 stays ZeRO-3, with `"auto"` (or absent) bucket
-    sizes filled from `model_config`'s hidden size as transformers fills the policy's; every other stage
-    becomes 0 (nothing to partition without gradients or optimizer state). Optimizer, scheduler and
+    batch-size `"auto"`s already filled by Trainer). ZeRO-3 stays ZeRO-3; every other stage becomes 0
+    (nothing to partition without gradients or optimizer state). `"auto"` bucket sizes and persistence
+    threshold get the values transformers gives the policy at train() (from `model_config`'s hidden size);
+    any other value, or none, stays as the user wrote it, as it does for the policy. Optimizer, scheduler and
     optimizer offload are dropped: the engine gets no optimizer; so is `train_batch_size` where the
     micro-batch size is given (DeepSpeed derives it).
     """
@@ -81,35 +82,19 @@ def reference_deepspeed_config(policy_config: dict, model_config) -> dict:
         cfg.pop("train_batch_size", None)
     zero = dict(cfg.get("zero_optimization") or {})
     zero.pop("offload_optimizer", None)
-    stage = int(zero.get("stage", 0))
-    if stage == 3:
+    auto = [key for key in _HIDDEN_SIZE_KEYS if zero.get(key) == "auto"]
+    if auto:  # what transformers fills for the policy at train(), the same values (absent keys stay absent)
         hidden = hidden_size_of(model_config)
-        for key, rule in _HIDDEN_SIZE_KEYS.items():
-            if zero.get(key, "auto") != "auto":
-                continue  # the user's explicit value stays
-            if hidden is None:
-                raise ConfigError(
-                    f"deepspeed: zero_optimization.{key} is 'auto' but the reference model's config has no "
-                    "hidden_size to fill it from; set an integer value in the DeepSpeed config"
-                )
-            zero[key] = rule(hidden)
-    else:
+        if hidden is None:
+            raise ConfigError(
+                f"deepspeed: zero_optimization.{auto[0]} is 'auto' but the reference model's config has no "
+                "hidden_size to fill it from; set an integer value in the DeepSpeed config"
+            )
+        zero.update({key: _HIDDEN_SIZE_KEYS[key](hidden) for key in auto})
+    if int(zero.get("stage", 0)) != 3:
         zero["stage"] = 0
     cfg["zero_optimization"] = zero
-    left = sorted(_auto_keys(cfg))
-    if left:
-        raise ConfigError(f"deepspeed: the reference model's config still has 'auto' values at {', '.join(left)}; "
-                          "set them in the DeepSpeed config")
     return cfg
-
-
-def _auto_keys(cfg, prefix: str = ""):
-    for key, value in cfg.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from _auto_keys(value, f"{name}.")
-        elif value == "auto":
-            yield name
 
 
 def prepare_deepspeed_reference(ref_model, accelerator):
