@@ -143,14 +143,18 @@ DDP_SCRIPT = textwrap.dedent(
     args = PrefixRewardConfig(output_dir=out, per_device_train_batch_size=2, num_train_epochs=2, logging_steps=1,
                               learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
                               use_cpu=True, disable_tqdm=True, seed=0, report_to="none", ddp_backend="gloo",
-                              gradient_checkpointing=False, center_rewards_coefficient=0.01)
+                              gradient_checkpointing=False, center_rewards_coefficient=0.01, fsdp="full_shard auto_wrap",
+                              fsdp_config={{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})
     t = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=make_examples(7, ks=(2, 3)), args=args)
     t.train()
     logs = [h for h in t.state.log_history if "loss" in h]
-    params = torch.cat([p.detach().flatten() for p in t.model.parameters()])
+    sharded = [type(p).__name__ == "DTensor" for p in t.model.parameters()]
+    params = torch.cat([(p.full_tensor() if sharded[i] else p).detach().flatten()
+                        for i, p in enumerate(t.model.parameters())])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump({{"logs": logs, "params": params.tolist()}}, fh)
+            json.dump({{"logs": logs, "params": params.tolist(), "sharded": sum(sharded), "all": len(sharded),
+                        "engine": t.engine_description}}, fh)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # leave together (gloo threads)
     """
@@ -158,8 +162,9 @@ DDP_SCRIPT = textwrap.dedent(
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path):
-    """7 examples (K = 2 and 3), 2 epochs: 2 ranks x 2 per step (one rank runs an empty slot in the last step
-    of each epoch) against one process with 4 per step."""
+    """7 examples (K = 2 and 3), 2 epochs: 2 gloo ranks x 2 per step (one rank runs an empty slot in the last
+    step of each epoch) against one process with 4 per step. The 2 ranks run FSDP2 (every parameter sharded,
+    gathered only inside the wrapped forward): the score head runs there too, or its weight would be a shard."""
     script = tmp_path / "ddp_reward.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -174,3 +179,4 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
         for key in ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert torch.allclose(torch.tensor(two["params"]), flat(one.model), atol=1e-5)
+    assert two["sharded"] == two["all"], two["engine"]  # FSDP2 sharded every parameter, the score head too

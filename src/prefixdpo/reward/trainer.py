@@ -14,6 +14,7 @@ micro-batch means instead; the two agree when micro-batches hold equal pair coun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 
@@ -24,6 +25,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.callbacks import PrefixDPOCallback, latest_checkpoint
 from prefixdpo.data.loader import MicroBatches, make_dataloader
+from prefixdpo.engines import enable_requested_fsdp, whole_model_state_dict
 from prefixdpo.errors import UserError
 from prefixdpo.forward import restore_stock_attention, unwrap
 from prefixdpo.offloading import activation_offloading_context
@@ -97,6 +99,11 @@ class PrefixRewardTrainer(Trainer):
         self._pairs_trained = 0.0
         self._nonfinite_loss = None  # set by training_step, checked by the callback before the optimizer step
         self._train_micro: MicroBatches | None = None
+        self.engine_description = "not started"  # set by the callback when training begins
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        enable_requested_fsdp(self)  # as the DPO trainer: accelerate drops a requested FSDP on CPU
 
     def _examples(self, data, tokenizer, name: str):
         return reward_examples(data, tokenizer, self._data_options, name, self.data_reports)
@@ -211,6 +218,8 @@ class PrefixRewardTrainer(Trainer):
                              *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        # checkpoints stay as the engine is configured; an export is one whole, stock-loadable model
+        with contextlib.nullcontext() if _internal_call else whole_model_state_dict(self):
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:  # the saved config names stock attention: loadable without prefixdpo
             restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
