@@ -1,19 +1,21 @@
 """A fresh process's first forward computes what every later forward computes.
 
-The intermittent 1.8e-5 of the old bench equal-work test (issue 8, item 5; about one fresh pytest process in
-fifty, always the first group, the same value each time, gone when the same batches were recomputed in the
-same process) is this process-level state: ATen computes contiguous float32/float64 `cos`, `sin`, `exp`,
-`log`, ... with MKL VML, each intra-op thread on its own chunk once a tensor has >= 2048 elements. oneMKL
-2024.2 (inside the torch 2.13 wheels) picks a VML function's kernel lazily on its first call; when that first
-call runs on several threads at once, one thread can run the low-accuracy (EP) kernel on its whole chunk,
-~1e3 ulp off (pytorch/pytorch#188792, Intel AVX-512). The old test's very first forward computed RoPE cos/sin
-on [6, 56, 8] = 2688 fp32 elements: two chunks on two threads, both first calls. Errors of EP size (12-14
-correct mantissa bits) on one chunk of that forward move its per-pair losses by 1e-6..5e-5 (measured).
+The intermittent 1.8e-5 of the old bench equal-work test (issue 8, item 5; about one fresh pytest process
+in fifty, always the first group, the same value each time, gone when the same batches were recomputed in
+the same process) has this cause, a first-call state of the process. ATen computes contiguous
+float32/float64 `cos`, `sin`, `exp`, `log`, ... with MKL VML, each intra-op thread on its own chunk once a
+tensor has >= 2048 elements. oneMKL 2024.2 (inside the torch 2.13 wheels) picks a VML function's kernel
+lazily on its first call; when that first call runs on several threads at once, one thread can run the
+low-accuracy (EP) kernel on its whole chunk, ~1e3 ulp off (pytorch/pytorch#188792, Intel AVX-512). The old
+test's very first forward computed RoPE cos/sin on [6, 56, 8] = 2688 fp32 elements: two chunks on two
+threads, both first calls. Errors of EP size (12-14 correct mantissa bits) on one chunk of that forward
+move its per-pair losses by 1e-6..5e-5 (measured).
 
-The race needs an Intel CPU and luck, so it cannot be a test; its precondition can. With the profiler on from
-interpreter start, a fresh process imports prefixdpo, builds tiny Llamas and runs the bench's first batch
-(fp32 and fp64); the first call of every VML-backed op, per dtype, must be small enough (< 2048 elements) to
-run on the calling thread alone, while later calls are large enough to be split (so the check compares
+The race needs an Intel CPU and luck (on AMD, MKL's EP and HA kernels return the same bits, so it is
+invisible there), so it cannot be a test; its precondition can. With the profiler on from interpreter
+start, a fresh process imports prefixdpo, builds tiny Llamas and runs the bench's first batch (fp32 and
+fp64); the first call of every VML-backed op, per dtype, must be small enough (< 2048 elements) to run on
+the calling thread alone, while later calls are large enough to be split (so the check compares
 something).
 """
 
