@@ -72,7 +72,8 @@ def whole_model_state_dict(trainer):
 
 def prepare_reference_for_engine(ref_model, accelerator):
     """A separate frozen reference model, prepared the way the policy's engine needs: sharded like the
-    policy under FSDP (TRL's `prepare_fsdp`), a ZeRO inference engine under DeepSpeed; else returned as
+    policy under FSDP (TRL's `prepare_fsdp`), a ZeRO inference engine under DeepSpeed (TRL's rules,
+    `engines_deepspeed`); else returned as
     on the device. Always in eval mode with no gradients."""
     from accelerate.utils import DistributedType
 
@@ -85,9 +86,9 @@ def prepare_reference_for_engine(ref_model, accelerator):
         ref_model.to(accelerator.device)
         return prepare_fsdp(ref_model, accelerator)
     if kind == DistributedType.DEEPSPEED:
-        from trl.models import prepare_deepspeed
+        from prefixdpo.engines_deepspeed import prepare_deepspeed_reference
 
-        return prepare_deepspeed(ref_model, accelerator)
+        return prepare_deepspeed_reference(ref_model, accelerator)
     return ref_model.to(accelerator.device)
 
 

@@ -248,7 +248,7 @@ def choose_reference(*, needs_reference: bool, precompute: bool, ref_model, poli
     """The strategy TRL users expect: none for reference-free losses; a given model; the policy's adapter
     off for PEFT; else a frozen copy of the starting policy (TRL's `create_reference_model`); precomputed
     wraps the chosen source."""
-    import copy
+    from prefixdpo.engines_deepspeed import reference_copy
 
     if not needs_reference:
         return NoReference()
@@ -257,7 +257,7 @@ def choose_reference(*, needs_reference: bool, precompute: bool, ref_model, poli
     elif is_peft_model(policy):
         source = AdapterReference(chunk_size=chunk_size, backend=backend)
     else:
-        source = SeparateModelReference(copy.deepcopy(unwrap(policy)), chunk_size=chunk_size, backend=backend)
+        source = SeparateModelReference(reference_copy(unwrap(policy)), chunk_size=chunk_size, backend=backend)
     if not precompute:
         return source
     if isinstance(source, SeparateModelReference):
