@@ -168,9 +168,9 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     script = tmp_path / "ddp_reward.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29541", str(script), str(tmp_path / "ddp")], env=env, capture_output=True, text=True,
-                          timeout=600)
+    # --standalone: a free port of its own (a fixed one collides with other distributed runs on the machine)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(tmp_path / "ddp")], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = json.loads((tmp_path / "ddp" / "result.json").read_text())
     one, logs = train(tmp_path, "one", make_examples(7, ks=(2, 3)), per_device_train_batch_size=4, num_train_epochs=2)
