@@ -37,7 +37,8 @@ def register(subparsers) -> None:
         description=(
             "Builds prefix-shared and packed rows (K=2 and K=4), and standard sequences packed without sharing, "
             "from built-in or given text, and compares "
-            "per-response log-probs and the gradient of a DPO loss against separate standard forward passes. "
+            "per-response log-probs and the gradient of a DPO loss against separate standard forward passes "
+            "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss). "
             "Exits non-zero if a difference is above tolerance."
         ),
     )
