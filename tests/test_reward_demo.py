@@ -1,6 +1,6 @@
 """`prefixdpo reward` with no model and no dataset: the embedded default (the DPO demo's locally built model,
 here loaded as a one-label sequence classifier, and its rule-following data) learns to prefer the
-response that follows the prompt's rule: held-out pairwise accuracy >= 0.9 (measured 0.99)."""
+response that follows the prompt's rule: held-out pairwise accuracy >= 0.9 (measured 0.98 in ~20 s on 2 cores)."""
 
 from __future__ import annotations
 

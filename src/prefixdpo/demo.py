@@ -2,7 +2,7 @@
 
 `prefixdpo train` with no model and no dataset trains on this, and `prefixdpo reward` trains a reward model on
 it (the same model loaded as a one-label sequence classifier, a new score head; held-out pairwise accuracy
-0.99 with `commands/reward.DEMO_DEFAULTS`). The task is chosen so that DPO from a
+0.98 with `commands/reward.DEMO_DEFAULTS`). The task is chosen so that DPO from a
 randomly initialised Llama-shaped model learns it on two CPU cores in a few minutes, and so that a
 held-out reward accuracy well above chance means something:
 
