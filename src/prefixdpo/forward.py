@@ -21,6 +21,9 @@ import torch
 from prefixdpo.attention.backends import ATTENTION_NAME, build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
+from prefixdpo.vml_warmup import warm_up as _warm_up_vml
+
+_warm_up_vml()  # before this process's first forward: see prefixdpo.vml_warmup
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _ALIBI_MODEL_TYPES = {"bloom", "mpt", "falcon", "baichuan"}
