@@ -10,16 +10,15 @@ and gradient clipping), and the tests exercise it here.
 from __future__ import annotations
 
 import contextlib
-import os
 
 from prefixdpo.errors import ConfigError
 
 
 def fsdp_requested(args) -> bool:
-    """Whether FSDP is asked for: by the training arguments (`--fsdp ...`), or by `accelerate launch` with an
-    FSDP config (which sets `ACCELERATE_USE_FSDP` and the `FSDP_*` variables for each process)."""
-    return getattr(args, "fsdp_plugin_args", None) is not None or \
-        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    """Whether the training arguments ask for FSDP (`--fsdp ...`). (`accelerate launch` with an FSDP config
+    is accelerate's to apply: on GPUs it does; on CPU its launcher runs one process without FSDP. Its
+    `ACCELERATE_USE_FSDP` variable cannot tell: accelerate also sets it in-process for any FSDP plugin.)"""
+    return getattr(args, "fsdp_plugin_args", None) is not None
 
 
 def enable_requested_fsdp(trainer) -> None:
@@ -41,8 +40,7 @@ def enable_requested_fsdp(trainer) -> None:
             f"fsdp was requested but this run is {state.distributed_type.value} with {state.num_processes} "
             "process(es): launch it with several processes (torchrun --nproc_per_node N, or accelerate launch)"
         )
-    # from the training arguments, else from the launcher's FSDP_* variables (the plugin reads them itself)
-    plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     if plugin.fsdp_version != 2:
         raise ConfigError("fsdp on CPU needs FSDP2: set fsdp_config version 2 (FSDP1 is deprecated)")
     # as accelerate does on a GPU: AcceleratorState re-reads PartialState's shared type on every construction
@@ -52,6 +50,19 @@ def enable_requested_fsdp(trainer) -> None:
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
+
+
+def refuse_unsupported_engine_options(trainer) -> None:
+    """ConfigError for an option the engine would run wrongly: under ZeRO-3 each rank holds only a partition of
+    every weight, which TR-DPO's in-place reference update and a reference table built outside the engine
+    would read as if whole."""
+    from prefixdpo.engines_deepspeed import zero_stage
+
+    if zero_stage(trainer.accelerator) != 3:
+        return
+    for option in ("sync_ref_model", "precompute_ref_log_probs"):
+        if getattr(trainer.args, option, False):
+            raise ConfigError(f"{option}=True is not supported with DeepSpeed ZeRO-3 yet: use ZeRO-2 or FSDP2")
 
 
 @contextlib.contextmanager
@@ -123,4 +134,4 @@ def local_numel(model) -> int:
 
 
 __all__ = ["describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
-           "sharded_parameter_count", "whole_model_state_dict"]
+           "refuse_unsupported_engine_options", "sharded_parameter_count", "whole_model_state_dict"]

@@ -129,12 +129,19 @@ class SeparateModelReference:
         (the same two ops in the same order as TRL, so the result is bit for bit TRL's). Buffers are
         left alone, as in TRL.
 
-        Our reference is a whole copy on every rank while the policy may be sharded: each policy
-        parameter is gathered first (FSDP2 DTensor: `full_tensor`; DeepSpeed ZeRO-3: one parameter at a
-        time, so the gather never holds more than one extra parameter), and every rank updates its copy.
+        Under FSDP2 the reference is sharded like the policy: each rank updates its shard. Otherwise the
+        reference is a whole copy on every rank while the policy may be sharded: each policy parameter is
+        gathered first (DeepSpeed ZeRO-2's whole weights; one parameter at a time), and every rank
+        updates its copy. (ZeRO-3 with TR-DPO is refused: `engines.refuse_unsupported_engine_options`.)
         """
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             for ref_p, pol_p in zip(unwrap(self.model).parameters(), unwrap(policy).parameters(), strict=True):
+                if isinstance(ref_p, DTensor):  # FSDP2 shards the reference too: update this rank's shard
+                    ref_p.mul_(1.0 - alpha).add_(pol_p.detach().redistribute(ref_p.device_mesh, ref_p.placements),
+                                                 alpha=alpha)
+                    continue
                 with _gathered(pol_p):
                     ref_p.mul_(1.0 - alpha).add_(_full(pol_p.detach()).to(ref_p.device), alpha=alpha)
 

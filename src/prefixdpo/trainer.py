@@ -32,7 +32,9 @@ from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
-from prefixdpo.engines import enable_requested_fsdp, prepare_reference_for_engine, whole_model_state_dict
+from prefixdpo.engines import (
+    enable_requested_fsdp, prepare_reference_for_engine, refuse_unsupported_engine_options, whole_model_state_dict,
+)
 from prefixdpo.errors import UserError
 from prefixdpo.training_data import as_examples, loader_settings, pad_token_id
 from prefixdpo.forward import resolve_router_aux_loss_coef, restore_stock_attention, unwrap, zero_weight_loss
@@ -115,6 +117,7 @@ class PrefixDPOTrainer(Trainer):
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
+        refuse_unsupported_engine_options(self)
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
