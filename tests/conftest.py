@@ -7,6 +7,15 @@ import torch
 
 torch.set_num_threads(2)
 
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """A command run in-process (e.g. `prefixdpo bench`, which sets its own thread count) must not change the
+    thread count of the tests after it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
 TINY = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, max_position_embeddings=512,
