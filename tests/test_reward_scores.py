@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_examples
-from reward_helpers import tiny_reward_model
+from conftest import TINY, random_examples
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.forward import prepare_model
@@ -18,6 +17,26 @@ from prefixdpo.logprobs import UnsupportedModelError
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores
+
+
+def tiny_reward_model(arch: str = "llama", pad_token_id: int = 0, **overrides):
+    """A tiny fp32 `AutoModelForSequenceClassification` (num_labels=1) of `arch`, seeded, in eval mode."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    kwargs = dict(TINY, num_labels=1, pad_token_id=pad_token_id)
+    if arch in ("qwen2", "qwen3", "mistral", "llama"):
+        kwargs["num_key_value_heads"] = 2  # GQA
+    if arch == "qwen3":
+        kwargs["head_dim"] = 8
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(arch, **kwargs), dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default init, so a wrong layout shows clearly in the scores
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.train(False)
+
 
 TOL = 1e-5  # scores: abs diff <= TOL x max(1, largest |score|); gradients: x max(1, largest entry)
 # (prompt length, response lengths): K = 2, K = 4 (best vs each), K = 2 with a one-token response

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_examples
-from reward_helpers import tiny_reward_model
+from test_reward_scores import tiny_reward_model
 from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
 
 
@@ -136,7 +136,7 @@ DDP_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_examples
-    from reward_helpers import tiny_reward_model
+    from test_reward_scores import tiny_reward_model
     from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
 
     out = sys.argv[1]

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from reward_helpers import tiny_reward_model
+from test_reward_scores import tiny_reward_model
 from test_trl_parity import parity_setup
 
 RTOL = 1e-4  # loss, grad_norm, margin: relative (margin with a 1e-6 floor: it is a difference near 0)
