@@ -217,3 +217,18 @@ def test_fsdp_in_one_cpu_process_is_refused_in_one_line(tmp_path):
                            fsdp="full_shard auto_wrap", fsdp_config={"version": 2})
     with pytest.raises(ConfigError, match="launch it with several processes"):
         PrefixDPOTrainer(model=tiny_model("llama"), train_dataset=make_examples(4), args=args)
+
+
+def test_cli_two_processes_fsdp2_on_the_embedded_default(tmp_path):
+    """`torchrun -m prefixdpo.cli train --fsdp ...` from a fresh folder: one process builds the embedded default
+    while the other waits (both building it at once let one read a half-written model), and the run says
+    that FSDP2 sharded every parameter."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "prefixdpo.cli", "train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--save_strategy",
+           "no", "--report_to", "none", "--use_cpu", "true", "--fsdp", "full_shard auto_wrap", "--fsdp_config",
+           json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    engine = [line for line in proc.stdout.splitlines() if line.startswith("Engine:")]
+    assert len(engine) == 2 and all("FSDP2 over 2 processes: 21 of 21 parameters sharded" in e for e in engine), engine

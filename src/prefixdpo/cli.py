@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefix sharing.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in (*COMMANDS, *(("reward",) if "reward" not in COMMANDS else ())):
+    for name in COMMANDS:
         try:
             module = importlib.import_module(f"prefixdpo.commands.{name}")
         except ModuleNotFoundError as err:

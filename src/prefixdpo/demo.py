@@ -162,15 +162,31 @@ class DemoArtifacts:
     eval_file: Path
 
 
+def demo_artifacts(output_dir: str | Path) -> DemoArtifacts:
+    """Where `build_demo(output_dir)` saves the embedded default."""
+    out = Path(output_dir)
+    return DemoArtifacts(out / "model", out / "train.jsonl", out / "eval.jsonl")
+
+
 def build_demo(output_dir: str | Path, spec: DemoSpec = DemoSpec()) -> DemoArtifacts:
     """Build and save the embedded default under `output_dir` (real HF artifacts, reloadable by path)."""
-    out = Path(output_dir)
-    (out / "model").mkdir(parents=True, exist_ok=True)
+    paths = demo_artifacts(output_dir)
+    paths.model_dir.mkdir(parents=True, exist_ok=True)
     train, held_out = make_splits(spec)
     tokenizer = build_tokenizer(train, spec)
     model = build_model(tokenizer, spec)
-    model.save_pretrained(out / "model", safe_serialization=True)
-    tokenizer.save_pretrained(out / "model")
-    write_jsonl(train, out / "train.jsonl")
-    write_jsonl(held_out, out / "eval.jsonl")
-    return DemoArtifacts(out / "model", out / "train.jsonl", out / "eval.jsonl")
+    model.save_pretrained(paths.model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(paths.model_dir)
+    write_jsonl(train, paths.train_file)
+    write_jsonl(held_out, paths.eval_file)
+    return paths
+
+
+def build_demo_for_run(output_dir: str | Path, training_args) -> DemoArtifacts:
+    """The embedded default for a run of one or several processes: the first process of each machine builds
+    it while the others wait, then every process reads the same files (several processes writing the same
+    files at once would let one read a half-written model)."""
+    with training_args.main_process_first(local=True, desc="building the embedded default"):
+        if training_args.local_process_index == 0:
+            return build_demo(output_dir)
+        return demo_artifacts(output_dir)

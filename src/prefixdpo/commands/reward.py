@@ -67,9 +67,9 @@ def run(args) -> int:
     start = time.time()
     demo = None
     if model_args.model_name_or_path is None or data_args.dataset_name is None:
-        from prefixdpo.demo import build_demo
+        from prefixdpo.demo import build_demo_for_run
 
-        demo = build_demo(os.path.join(config.output_dir, "demo-base"))
+        demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
         print(f"Embedded default built in {demo.model_dir.parent}.")
     name = model_args.model_name_or_path or str(demo.model_dir)
     revision = (config.model_init_kwargs or {}).get("revision")

@@ -82,9 +82,9 @@ def run(args) -> int:
     start = time.time()
     demo = None
     if demo_model or demo_data:
-        from prefixdpo.demo import build_demo
+        from prefixdpo.demo import build_demo_for_run
 
-        demo = build_demo(os.path.join(config.output_dir, "demo-base"))
+        demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
         print(f"Embedded default built in {demo.model_dir.parent} "
               f"({'model' if demo_model else ''}{' and ' if demo_model and demo_data else ''}{'data' if demo_data else ''}).")
     if demo_model:
