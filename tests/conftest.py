@@ -9,12 +9,19 @@ torch.set_num_threads(2)
 
 
 @pytest.fixture(autouse=True)
-def _keep_thread_count():
-    """A command run in-process (e.g. `prefixdpo bench`, which sets its own thread count) must not change the
-    thread count of the tests after it."""
+def _keep_process_state():
+    """What one test changes process-wide must not reach the tests after it: a command run in-process sets its
+    own thread count (`prefixdpo bench`), and accelerate writes `ACCELERATE_USE_FSDP` (and friends) into
+    os.environ for any Accelerator given an FSDP plugin."""
+    import os
+
     threads = torch.get_num_threads()
+    environ = dict(os.environ)
     yield
     torch.set_num_threads(threads)
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
 
 TINY = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
