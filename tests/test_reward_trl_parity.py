@@ -54,8 +54,8 @@ def run_ours(records, tokenizer, model, opts):
     gaps = []
 
     class Recording(PrefixRewardTrainer):
-        def _score_step(self, model, inputs, split):
-            losses, scores = super()._score_step(model, inputs, split)
+        def _pair_step(self, model, inputs, split):
+            losses, scores = super()._pair_step(model, inputs, split)
             batch = inputs["batch"]
             gaps.append((scores[batch.pair_better] - scores[batch.pair_worse]).detach().abs().min().item())
             return losses, scores
