@@ -85,3 +85,20 @@ def make_examples(n: int, seed: int = 0, ks=(2,)):
 @pytest.fixture
 def examples():
     return random_examples()
+
+
+def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900):
+    """Run `python *args` as one process, or under `torchrun --standalone` as `nproc` gloo processes (CPU, one
+    thread each). Asserts it succeeded, showing the ranks' own tracebacks; returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+    assert proc.returncode == 0, (ranks or proc.stdout + proc.stderr)[-6000:]
+    return proc
+

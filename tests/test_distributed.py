@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_processes
 
 SCRIPT = textwrap.dedent(
     """
@@ -98,14 +97,7 @@ def _run(tmp_path, nproc: int, *job: str) -> dict:
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / f"{job[0]}-np{nproc}"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    if nproc == 1:
-        cmd = [sys.executable, str(script), str(out), *job]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               "29517", str(script), str(out), *job]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_processes(nproc, str(script), str(out), *job)
     return json.loads((out / "result.json").read_text())
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import run_processes
 
 SCRIPT = textwrap.dedent(
     """
@@ -141,15 +140,7 @@ def _run(tmp_path, nproc: int) -> dict:
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / f"np{nproc}"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    if nproc == 1:
-        cmd = [sys.executable, str(script), str(out)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               str(script), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    # the ranks' own tracebacks, not torchrun's summary of them
-    assert proc.returncode == 0, "\n".join(l for l in proc.stderr.splitlines() if l.startswith("[rank"))[-6000:]
+    run_processes(nproc, str(script), str(out))
     return json.loads((out / "result.json").read_text()), out
 
 
@@ -223,12 +214,10 @@ def test_cli_two_processes_fsdp2_on_the_embedded_default(tmp_path):
     """`torchrun -m prefixdpo.cli train --fsdp ...` from a fresh folder: one process builds the embedded default
     while the other waits (both building it at once let one read a half-written model), and the run says
     that FSDP2 sharded every parameter."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "prefixdpo.cli", "train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--save_strategy",
-           "no", "--report_to", "none", "--use_cpu", "true", "--fsdp", "full_shard auto_wrap", "--fsdp_config",
-           json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_processes(2, "-m", "prefixdpo.cli", "train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"),
+                         "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true",
+                         "--fsdp", "full_shard auto_wrap", "--fsdp_config",
+                         json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}),
+                         cwd=tmp_path, timeout=600)
     engine = [line for line in proc.stdout.splitlines() if line.startswith("Engine:")]
     assert len(engine) == 2 and all("FSDP2 over 2 processes: 21 of 21 parameters sharded" in e for e in engine), engine
