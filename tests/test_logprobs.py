@@ -110,3 +110,33 @@ def test_positions_in_response_and_ld_split_by_hand():
     chosen, rejected = ld_pair_logps(per_token, target_response, counts, better, worse, 1.0)
     sums = torch.zeros(4).index_add(0, target_response, per_token)
     assert chosen.tolist() == sums[better].tolist() and rejected.tolist() == sums[worse].tolist()
+
+
+def test_inside_the_engine_forward_equals_the_head_applied_after_the_model():
+    """`compute_response_logps` runs the head inside the wrapped module's forward (`forward.through_engine`);
+    it must give what the earlier design gave: the model run alone, its final hidden states captured, the
+    head applied after it. Values and gradients, fp32, 1e-6; and the model's own forward is restored."""
+    from conftest import make_examples, tiny_model
+
+    from prefixdpo.data.batch import build_batch
+    from prefixdpo.forward import compute_response_logps, prepare_model, unwrap
+    from prefixdpo.logprobs import lm_head_fn, response_logps
+    from prefixdpo.attention.backends import build_attention_mask
+
+    model = tiny_model("llama")
+    prepare_model(model, "sdpa")
+    batch = build_batch(make_examples(3, ks=(2, 3)), prefix_sharing=True, pad_token_id=0)
+    ours = compute_response_logps(model, batch, backend="sdpa", chunk_size=5)
+    (g_ours,) = torch.autograd.grad(ours.sums.sum(), model.lm_head.weight)
+    assert "forward" not in model.__dict__  # the engine-level redirection left no trace
+
+    captured = []
+    handle = model.model.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
+    model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+          attention_mask=build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa"))
+    handle.remove()
+    before = response_logps(captured[0], batch, lm_head_fn(unwrap(model)), 5)
+    (g_before,) = torch.autograd.grad(before.sums.sum(), model.lm_head.weight)
+    assert torch.allclose(ours.sums, before.sums, rtol=0, atol=1e-6 * before.sums.abs().max().item())
+    assert torch.equal(ours.counts, before.counts)
+    assert torch.allclose(g_ours, g_before, rtol=0, atol=1e-6 * g_before.abs().max().item())
