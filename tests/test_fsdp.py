@@ -4,7 +4,8 @@ process with the same global batch; and the global step plan with packing over r
 One 2-process launch and one 1-process launch run every case; the tests compare their results.
 - Per-step loss 1e-5 relative and final weights 1e-5 absolute (fp32, SGD), prefix sharing on, packing on
   (16 records that make a pack count the ranks do not divide) and off; with a separate reference model,
-  with LoRA (adapter-off reference), and with TR-DPO (the sharded reference mixed toward the policy each step). Every FSDP case asserts the parameters were DTensors sharded over the
+  with LoRA (adapter-off reference), with TR-DPO (the sharded reference mixed toward the policy each step), and
+  with precomputed reference tables. Every FSDP case asserts the parameters were DTensors sharded over the
   2 ranks during the steps (each rank held half the elements), not only that the run finished.
 - Packing: 1 process x 4 == 2 ranks x 2 (FSDP2 and plain DDP) == 1 process x 2 x accumulation 2.
 - FSDP2 save at step 2 (sharded checkpoint), resume to step 4 == uninterrupted; the exported model reloads
@@ -102,7 +103,8 @@ SCRIPT = textwrap.dedent(
     if world > 1:
         for name, kw in (("fsdp-packed", dict(packed, **FSDP)), ("fsdp-unpacked", FSDP),
                          ("ddp-packed", packed), ("fsdp-ref", dict(FSDP, ref=True)),
-                         ("fsdp-lora", dict(packed, peft=True, **FSDP)), ("fsdp-trdpo", dict(FSDP, **TRDPO))):
+                         ("fsdp-lora", dict(packed, peft=True, **FSDP)), ("fsdp-trdpo", dict(FSDP, **TRDPO)),
+                         ("fsdp-precomputed", dict(FSDP, ref=True, precompute_ref_log_probs=True))):
             results[name] = run(name, per_device_train_batch_size=2, **kw)[1]
         # save at step 2 (of 4: the schedule is the uninterrupted run's), resume to 4; export the final model.
         # AdamW: torch's full optimizer state dict cannot load a stateless optimizer (plain SGD) under FSDP2.
@@ -121,7 +123,8 @@ SCRIPT = textwrap.dedent(
         results["export-logits"] = logits.flatten().tolist()
     else:
         for name, kw in (("packed", packed), ("unpacked", {{}}), ("ref", dict(ref=True)),
-                         ("lora", dict(packed, peft=True)), ("trdpo", TRDPO)):
+                         ("lora", dict(packed, peft=True)), ("trdpo", TRDPO),
+                         ("precomputed", dict(ref=True, precompute_ref_log_probs=True))):
             results[name] = run(name, per_device_train_batch_size=4, **kw)[1]
         results["packed-accumulated"] = run("packed-accumulated", per_device_train_batch_size=2,
                                             gradient_accumulation_steps=2, **packed)[1]
@@ -169,7 +172,8 @@ def _really_sharded(run: dict) -> None:
 
 
 @pytest.mark.parametrize("fsdp, single", [("fsdp-packed", "packed"), ("fsdp-unpacked", "unpacked"),
-                                          ("fsdp-ref", "ref"), ("fsdp-lora", "lora"), ("fsdp-trdpo", "trdpo")])
+                                          ("fsdp-ref", "ref"), ("fsdp-lora", "lora"), ("fsdp-trdpo", "trdpo"),
+                                          ("fsdp-precomputed", "precomputed")])
 def test_fsdp2_two_ranks_equal_one_process(runs, fsdp, single):
     one, two, _ = runs
     _really_sharded(two[fsdp])
