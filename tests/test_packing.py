@@ -160,3 +160,9 @@ def test_hh_profile_efficiency_at_auto_length():
     eff = packing_efficiency(lengths, packs, pack_length)
     print(f"hh-rlhf: pack_length={pack_length} efficiency={eff:.3f}")
     assert eff >= 0.9
+
+
+def test_every_name_the_module_exports_exists():
+    import prefixdpo.data.packing as packing
+
+    assert all(hasattr(packing, name) for name in packing.__all__)

@@ -26,9 +26,7 @@ __all__ = [
     "auto_pack_length",
     "plan_packs",
     "packing_efficiency",
-    "even_packs_for_ranks",
-    "shard_for_rank",
-    "group_into_batches",
+    "deal_to_ranks",
 ]
 
 
