@@ -84,8 +84,7 @@ def whole_model_state_dict(trainer):
 def prepare_reference_for_engine(ref_model, accelerator):
     """A separate frozen reference model, prepared the way the policy's engine needs: sharded like the
     policy under FSDP (TRL's `prepare_fsdp`), a ZeRO inference engine under DeepSpeed (TRL's rules,
-    `engines_deepspeed`); else returned as
-    on the device. Always in eval mode with no gradients."""
+    `engines_deepspeed`); else moved to the device. Always in eval mode with no gradients."""
     from accelerate.utils import DistributedType
 
     ref_model.requires_grad_(False)

@@ -37,14 +37,21 @@ def unwrap(model):
     return model
 
 
-def _text_config(model):
+def base_model(model):
+    """The transformers model under engine wrappers (`unwrap`) and PEFT (its base model)."""
+    hf = unwrap(model)
+    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+
+
+def text_config(model):
+    """The config of the model's text decoder (a multimodal config's text part)."""
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def sliding_window_of(model) -> int | None:
     """The attention window if any layer uses sliding-window attention, else None."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     window = getattr(cfg, "sliding_window", None)
     if window is None or getattr(cfg, "use_sliding_window", True) is False:
         return None
@@ -54,11 +61,22 @@ def sliding_window_of(model) -> int | None:
     return int(window)
 
 
+def check_sequences_fit_window(model, batch: Batch) -> None:
+    """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window:
+    the rule does not reproduce attention that slides over a shared row."""
+    window = sliding_window_of(base_model(model))
+    if window is not None and batch.max_sequence_length > window:
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window}) is shorter than a sequence of "
+            f"{batch.max_sequence_length} tokens in this batch; prefixdpo would not reproduce it "
+            f"(set max_length <= {window})"
+        )
+
+
 def check_model_supported(model, backend: str) -> None:
     """Refuse, naming the feature, any model whose attention semantics the rule does not reproduce."""
-    hf = unwrap(model)
-    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-    cfg = _text_config(base)
+    base = base_model(model)
+    cfg = text_config(base)
     name = type(base).__name__
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
@@ -90,8 +108,7 @@ def check_model_supported(model, backend: str) -> None:
 def prepare_model(model, backend: str = "sdpa") -> None:
     """Switch the model to prefixdpo's attention implementation (after checking it is supported)."""
     check_model_supported(model, backend)
-    hf = unwrap(model)
-    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    base = base_model(model)
     if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
         base.set_attn_implementation(ATTENTION_NAME)
 
@@ -145,36 +162,34 @@ def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
             del inner.forward
 
 
-def final_hidden_states(model, inner_forward, input_ids, attention_mask,
-                        position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `inner_forward` (the forward of `unwrap(model)`); return (hidden [B, L, D], the model's own
-    logits at its last position [B, V] or None). Call it inside `through_engine`."""
-    hf = unwrap(model)
-    decoder = hf.get_decoder()
+def decoder_output(model, inner_forward, **inputs):
+    """Run `inner_forward` (the forward of `unwrap(model)`, inside `through_engine`) with `inputs` and no KV
+    cache; return (the decoder's final hidden states [B, L, D], captured by a hook, and the model's output)."""
     captured: list[torch.Tensor] = []
 
     def grab(_module, _inputs, output):
         captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
-    # A MoE model asked for router logits computes its aux loss from `attention_mask` read as a [B, L]
-    # padding mask, which ours is not: `recording_router_logits` collects them instead.
-    moe = {"output_router_logits": False} if hasattr(_text_config(hf), "output_router_logits") else {}
-    handle = decoder.register_forward_hook(grab)
+    handle = unwrap(model).get_decoder().register_forward_hook(grab)
     try:
-        out = inner_forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=1,  # the model's own head on one position only: we apply ours where needed
-            **moe,
-        )
+        out = inner_forward(use_cache=False, **inputs)
     finally:
         handle.remove()
     if len(captured) != 1:
         raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
+    return captured[0], out
+
+
+def final_hidden_states(model, inner_forward, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A causal LM's (hidden [B, L, D], its own logits at the last position [B, V] or None), inside
+    `through_engine`."""
+    # A MoE model asked for router logits computes its aux loss from `attention_mask` read as a [B, L]
+    # padding mask, which ours is not: `recording_router_logits` collects them instead.
+    moe = {"output_router_logits": False} if hasattr(text_config(unwrap(model)), "output_router_logits") else {}
+    # logits_to_keep=1: the model's own head on one position only; we apply ours where needed
+    hidden, out = decoder_output(model, inner_forward, logits_to_keep=1, **inputs, **moe)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return captured[0], (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
+    return hidden, (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
 
 
 def _batch_inputs(batch: Batch, attention_mask) -> dict:
@@ -186,7 +201,7 @@ def resolve_router_aux_loss_coef(model, coef: float | None) -> float:
     None (0.0 if it declares none); 0.0 for a model that returns no router logits. A coefficient set
     for such a model is refused, as TRL refuses it."""
     hf = unwrap(model)
-    cfg = _text_config(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
+    cfg = text_config(base_model(model))
     moe = hasattr(cfg, "output_router_logits")
     if coef and not moe:
         raise UnsupportedModelError(
@@ -264,7 +279,7 @@ def router_aux_loss(model, router_logits: list[torch.Tensor], batch: Batch) -> t
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     hf = unwrap(model)
-    cfg = _text_config(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
+    cfg = text_config(base_model(model))
     return load_balancing_loss_func(tuple(router_logits), cfg.num_experts, cfg.num_experts_per_tok,
                                     trl_token_multiplicity(batch))
 
@@ -282,13 +297,7 @@ def compute_response_logps(
     device = batch.input_ids.device
     backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
     hf = unwrap(model)
-    window = sliding_window_of(hf.get_base_model() if hasattr(hf, "get_base_model") else hf)
-    if window is not None and batch.max_sequence_length > window:
-        raise UnsupportedModelError(
-            f"sliding-window attention (window {window}) is shorter than a sequence of "
-            f"{batch.max_sequence_length} tokens in this batch; prefixdpo would not reproduce it "
-            f"(set max_length <= {window})"
-        )
+    check_sequences_fit_window(model, batch)
     if attention_mask is None:
         attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
 
@@ -316,14 +325,12 @@ def compute_response_logps(
 def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
     """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
     gradient sync and FSDP's collectives line up on every rank."""
-    hf = unwrap(model)
-
     def body(inner_forward, **inputs) -> dict:
         hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
-        loss = lm_head_fn(hf)(hidden[:, -1]).sum() * 0.0
-        if model_last_logits is not None:  # every output of a sharded module on a path to the loss (see above)
-            loss = loss + model_last_logits.sum() * 0.0
-        return {"loss": loss}
+        # the model's own logits are a function of every parameter (and, under FSDP2, must reach the loss);
+        # a model that returns none gets our head on its last position
+        last = model_last_logits if model_last_logits is not None else lm_head_fn(unwrap(model))(hidden[:, -1])
+        return {"loss": last.sum() * 0.0}
 
     mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
     return through_engine(model, body, **_batch_inputs(batch, mask))["loss"]

@@ -60,21 +60,23 @@ class MetricSums:
             t = accelerator.reduce(t.to(accelerator.device), reduction="sum").cpu()
         return dict(zip(self.KEYS, t.tolist()))
 
+    def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
+        """The split's own metrics from the reduced sums (a subclass logs others; every rank calls this)."""
+        pairs = max(totals["pairs"], 1.0)
+        return {k: totals[k] / pairs for k in PAIR_METRICS}
+
     def summary(self, accelerator=None, prefix: str = "", with_loss: bool = False) -> dict[str, float]:
         """Means under TRL's names plus throughput and token-efficiency metrics; resets the sums."""
         s = self.reduced(accelerator)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.last_pairs = s["pairs"]
-        pairs = max(s["pairs"], 1.0)
-        out = {f"{prefix}{k}": s[k] / pairs for k in PAIR_METRICS}
+        out = self.means(s, accelerator)
         if with_loss:
-            out[f"{prefix}loss"] = s["loss_sum"] / pairs
-        out[f"{prefix}pairs_per_second"] = s["pairs"] / elapsed
-        out[f"{prefix}tokens_per_second"] = s["real_tokens"] / elapsed
+            out["loss"] = s["loss_sum"] / max(s["pairs"], 1.0)
+        out["pairs_per_second"] = s["pairs"] / elapsed
+        out["tokens_per_second"] = s["real_tokens"] / elapsed
         # tokens standard paired DPO would run that prefix sharing did not (fraction of the standard)
-        out[f"{prefix}prefix_sharing/tokens_saved"] = (
-            1.0 - s["shared_tokens"] / s["unshared_tokens"] if s["unshared_tokens"] else 0.0
-        )
-        out[f"{prefix}packing/efficiency"] = s["real_tokens"] / s["slots"] if s["slots"] else 0.0
+        out["prefix_sharing/tokens_saved"] = 1.0 - s["shared_tokens"] / s["unshared_tokens"] if s["unshared_tokens"] else 0.0
+        out["packing/efficiency"] = s["real_tokens"] / s["slots"] if s["slots"] else 0.0
         self.reset()
-        return out
+        return {f"{prefix}{k}": v for k, v in out.items()}

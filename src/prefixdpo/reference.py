@@ -33,7 +33,7 @@ import torch
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.errors import ConfigError
-from prefixdpo.forward import compute_response_logps, unwrap
+from prefixdpo.forward import base_model, compute_response_logps, unwrap
 
 logger = logging.getLogger(__name__)
 
@@ -129,21 +129,18 @@ class SeparateModelReference:
         (the same two ops in the same order as TRL, so the result is bit for bit TRL's). Buffers are
         left alone, as in TRL.
 
-        Under FSDP2 the reference is sharded like the policy: each rank updates its shard. Otherwise the
-        reference is a whole copy on every rank while the policy may be sharded: each policy parameter is
-        gathered first (DeepSpeed ZeRO-2's whole weights; one parameter at a time), and every rank
-        updates its copy. (ZeRO-3 with TR-DPO is refused: `engines.refuse_unsupported_engine_options`.)
+        Under FSDP2 the reference is sharded like the policy (`engines.prepare_reference_for_engine`): each
+        rank updates its own shard. Under DDP and ZeRO-1/2 both are whole on every rank. (ZeRO-3 with TR-DPO
+        is refused: `engines.refuse_unsupported_engine_options`.)
         """
         from torch.distributed.tensor import DTensor
 
         with torch.no_grad():
             for ref_p, pol_p in zip(unwrap(self.model).parameters(), unwrap(policy).parameters(), strict=True):
-                if isinstance(ref_p, DTensor):  # FSDP2 shards the reference too: update this rank's shard
-                    ref_p.mul_(1.0 - alpha).add_(pol_p.detach().redistribute(ref_p.device_mesh, ref_p.placements),
-                                                 alpha=alpha)
-                    continue
-                with _gathered(pol_p):
-                    ref_p.mul_(1.0 - alpha).add_(_full(pol_p.detach()).to(ref_p.device), alpha=alpha)
+                pol = pol_p.detach()
+                if isinstance(ref_p, DTensor):  # the policy's shard laid out as the reference's
+                    pol = pol.redistribute(ref_p.device_mesh, ref_p.placements)
+                ref_p.mul_(1.0 - alpha).add_(pol, alpha=alpha)
 
 
 class AdapterReference:
@@ -228,15 +225,6 @@ class PrecomputedReference:
         return table
 
 
-def _gathered(param):
-    """DeepSpeed ZeRO-3 keeps a slice of `param` per rank: whole inside this context (read only)."""
-    if not hasattr(param, "ds_id"):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([param])
-
-
 @contextlib.contextmanager
 def _on_device(model, device):
     """Bring a parked reference model to `device` for one table, then back to the CPU."""
@@ -300,9 +288,7 @@ def weights_fingerprint(model, *, skip_adapter: bool = False) -> str:
 
 
 def config_fingerprint(model) -> str:
-    hf = unwrap(model)
-    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-    cfg = base.config.to_dict()
+    cfg = base_model(model).config.to_dict()
     for volatile in ("_attn_implementation", "_attn_implementation_internal", "transformers_version", "_name_or_path"):
         cfg.pop(volatile, None)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()

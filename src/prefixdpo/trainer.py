@@ -13,12 +13,11 @@ logging, engines, export). Here:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
 
-from prefixdpo.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.attention.backends import build_attention_mask
 from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state, tr_dpo_callback
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
@@ -48,11 +47,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     def __init__(self, model=None, ref_model=None, args: PrefixDPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
-        args = args if args is not None else PrefixDPOConfig()
-        if not isinstance(args, PrefixDPOConfig):
-            raise TypeError("args must be a PrefixDPOConfig")
-        self.backend = resolve_backend(args.attention, args.device, needs_grad=True)  # once, for every pass
-        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
+        args = self._checked_args(args, PrefixDPOConfig)
         model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
                                                  tokenizer=processing_class)
 

@@ -18,12 +18,14 @@ sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table` and
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.callbacks import latest_checkpoint
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
@@ -40,6 +42,16 @@ class PrefixTrainerBase(Trainer):
     loss_is_scaled_for_ga = True
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _checked_args(self, args, config_class):
+        """`args` (default: `config_class()`) after checking its type; picks the attention backend once, for
+        every pass of the run."""
+        args = args if args is not None else config_class()
+        if not isinstance(args, config_class):
+            raise TypeError(f"args must be a {config_class.__name__}")
+        self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
+        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
+        return args
 
     def _examples_of(self, train_dataset, eval_dataset, tokenizer):
         """(train Examples, eval Examples or a dict of them) through the subclass's `_as_examples`."""

@@ -15,8 +15,19 @@ def is_examples(data) -> bool:
     return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(x, Example) for x in data)
 
 
-def as_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
-    """`data` as Examples (None stays None); the data report is stored in `reports[name]`."""
+def prepared_examples(data, tokenizer, options):
+    """(Examples, data report) of records / a `datasets.Dataset` / a path, through the data pipeline."""
+    from prefixdpo.data.prepare import prepare_examples
+
+    prepared = prepare_examples(data, tokenizer, options)
+    return prepared.examples, prepared.report
+
+
+def as_examples(data, tokenizer, options, name: str, reports: dict, prepare=prepared_examples) -> list[Example] | None:
+    """`data` as Examples (None stays None); the data report is stored in `reports[name]`.
+
+    prepare: (data, tokenizer, options) -> (Examples, report), for records (the reward trainer's adds margins).
+    """
     if data is None:
         return None
     if is_examples(data):
@@ -25,13 +36,11 @@ def as_examples(data, tokenizer, options, name: str, reports: dict) -> list[Exam
         raise UserError(f"{name} dataset is empty")
     if tokenizer is None:
         raise UserError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
-    from prefixdpo.data.prepare import prepare_examples
-
-    prepared = prepare_examples(data, tokenizer, options)
-    reports[name] = prepared.report
-    if not prepared.examples:
-        raise UserError(f"{name} dataset: no usable examples ({prepared.report.summary()})")
-    return prepared.examples
+    examples, report = prepare(data, tokenizer, options)
+    reports[name] = report
+    if not examples:
+        raise UserError(f"{name} dataset: no usable examples ({report.summary()})")
+    return examples
 
 
 def pad_token_id(tokenizer) -> int:

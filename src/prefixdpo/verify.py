@@ -14,16 +14,15 @@ import torch
 
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.forward import compute_response_logps, prepare_model, unwrap
+from prefixdpo.forward import base_model, compute_response_logps, prepare_model, text_config
 
 
 def stock_implementation(model) -> str:
     """The stock attention the model itself supports for the comparison passes: "sdpa", or "eager" where
     the architecture has no SDPA support (transformers refuses it) or soft-caps attention logits (SDPA has
     no soft-capping, so transformers' eager path is the model's reference semantics)."""
-    base = unwrap(model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    base = base_model(model)
+    cfg = text_config(base)
     if not getattr(base, "_supports_sdpa", False) or getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "eager"
     return "sdpa"
@@ -33,8 +32,7 @@ def stock_implementation(model) -> str:
 def stock_attention(model, implementation: str | None = None):
     """Temporarily give the model a stock transformers attention implementation (default:
     `stock_implementation(model)`)."""
-    base = unwrap(model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    base = base_model(model)
     previous = base.config._attn_implementation
     base.set_attn_implementation(implementation or stock_implementation(model))
     try:
@@ -43,20 +41,26 @@ def stock_attention(model, implementation: str | None = None):
         base.set_attn_implementation(previous)
 
 
-def separate_pass_logps(model, examples: list[Example]) -> torch.Tensor:
-    """Standard log-prob sums [R] (responses in example order), one plain causal pass per response."""
+def stock_sequences(model, examples: list[Example]):
+    """Yield (example, ids [1, n]) for every `[prompt][response]` sequence, responses in example order, on the
+    model's device; the model has its stock attention while the caller runs it on each."""
     device = next(model.parameters()).device
-    sums = []
     with stock_attention(model):
         for ex in examples:
             for response in ex.response_ids:
-                ids = torch.tensor([list(ex.prompt_ids) + list(response)], device=device)
-                logits = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
-                if logits.dtype in (torch.float16, torch.bfloat16):  # fp32 at least, fp64 kept for fp64 checks
-                    logits = logits.float()
-                p = len(ex.prompt_ids)
-                logps = logits[p - 1:-1].log_softmax(-1)  # positions predicting the response
-                sums.append(logps.gather(1, ids[0, p:, None]).sum())
+                yield ex, torch.tensor([list(ex.prompt_ids) + list(response)], device=device)
+
+
+def separate_pass_logps(model, examples: list[Example]) -> torch.Tensor:
+    """Standard log-prob sums [R] (responses in example order), one plain causal pass per response."""
+    sums = []
+    for ex, ids in stock_sequences(model, examples):
+        logits = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
+        if logits.dtype in (torch.float16, torch.bfloat16):  # fp32 at least, fp64 kept for fp64 checks
+            logits = logits.float()
+        p = len(ex.prompt_ids)
+        logps = logits[p - 1:-1].log_softmax(-1)  # positions predicting the response
+        sums.append(logps.gather(1, ids[0, p:, None]).sum())
     return torch.stack(sums)
 
 

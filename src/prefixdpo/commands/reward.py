@@ -17,6 +17,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
+from prefixdpo.commands.train import _fmt
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -44,10 +45,6 @@ def _parser_kwargs() -> dict:
     from prefixdpo.commands.train import _HelpFormatter
 
     return {"prog": "prefixdpo reward", "usage": USAGE, "description": __doc__, "formatter_class": _HelpFormatter}
-
-
-def _fmt(value) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def run(args) -> int:
@@ -99,6 +96,7 @@ def run(args) -> int:
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     print()
+    print(f"Engine: {trainer.engine_description}")
     if held_out:
         metrics = trainer.evaluate()
         print(f"Held-out pairwise accuracy (eval_accuracy): {_fmt(metrics.get('eval_accuracy'))} on "

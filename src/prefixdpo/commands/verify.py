@@ -92,7 +92,7 @@ def _examples(tokenizer, text_file: str | None):
 
 def run(args) -> int:
     import torch
-    from prefixdpo.forward import check_model_supported
+    from prefixdpo.forward import check_model_supported, text_config
     from prefixdpo.logprobs import UnsupportedModelError
     from prefixdpo.verify import compare, stock_implementation
 
@@ -126,7 +126,7 @@ def run(args) -> int:
     ]
     arch = type(model).__name__
     forward_only = args.attention == "flex" and torch.device(args.device).type == "cpu"
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     try:
         check_model_supported(model, args.attention)
         if forward_only and getattr(cfg, "attn_logit_softcapping", None) is not None:

@@ -16,8 +16,7 @@ import torch
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.validation import WRONG_TYPE, InvalidRecordError
-from prefixdpo.errors import UserError
-from prefixdpo.training_data import is_examples
+from prefixdpo.training_data import as_examples
 
 MARGIN = "margin"
 
@@ -55,25 +54,20 @@ def with_margins(examples: list[Example], records, report, invalid: str) -> list
     return kept
 
 
-def reward_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
-    """`data` as Examples with margins (None stays None; Examples are used as they are, `meta["margin"]`
-    if set); the data report goes to `reports[name]`."""
-    if data is None or is_examples(data):
-        return data if data is None else list(data)
-    if isinstance(data, (list, tuple)) and not data:
-        raise UserError(f"{name} dataset is empty")
-    if tokenizer is None:
-        raise UserError(f"{name} dataset holds records, not Examples: pass processing_class (a tokenizer)")
+def _examples_with_margins(data, tokenizer, options):
+    """(Examples with their records' margins, data report) of records / a `datasets.Dataset` / a path."""
     from prefixdpo.data.loading import load_records
     from prefixdpo.data.prepare import examples_from_records
 
     records = load_records(data, options.split, options.dataset_config, options.max_samples)
     examples, report = examples_from_records(records, tokenizer, options)
-    examples = with_margins(examples, records, report, options.invalid)
-    reports[name] = report
-    if not examples:
-        raise UserError(f"{name} dataset: no usable examples ({report.summary()})")
-    return examples
+    return with_margins(examples, records, report, options.invalid), report
+
+
+def reward_examples(data, tokenizer, options, name: str, reports: dict) -> list[Example] | None:
+    """`data` as Examples with margins (None stays None; Examples are used as they are, `meta["margin"]`
+    if set); the data report goes to `reports[name]`."""
+    return as_examples(data, tokenizer, options, name, reports, prepare=_examples_with_margins)
 
 
 def pair_margins(examples: Sequence[Example], example_ids: torch.Tensor) -> torch.Tensor | None:

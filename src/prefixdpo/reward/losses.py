@@ -11,8 +11,6 @@ optimizer step's pairs, whatever packing, accumulation or world size split them 
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -77,23 +75,12 @@ class RewardMetricSums(MetricSums):
             local = accelerator.gather(local.to(accelerator.device)).cpu().view(-1, 2).amin(dim=0)
         return float(local[0]), -float(local[1])
 
-    def summary(self, accelerator=None, prefix: str = "", with_loss: bool = False) -> dict[str, float]:
-        """Means under TRL's names, throughput and token efficiency; resets the sums."""
+    def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
+        """TRL's reward metrics from the reduced sums, and the interval's extremes over all ranks."""
         low, high = self._extremes(accelerator)
-        totals = self.reduced(accelerator)
-        seconds = max(time.perf_counter() - self.started, 1e-9)
-        self.last_pairs = totals["pairs"]
         pairs = max(totals["pairs"], 1.0)
         out = {"accuracy": totals["accuracy"] / pairs, "margin": totals["margin"] / pairs,
                "mean_reward": totals["reward_sum"] / (2 * pairs)}
         if totals["pairs"] > 0:  # min/max of no reward at all would be +-inf
             out.update(min_reward=low, max_reward=high)
-        if with_loss:
-            out["loss"] = totals["loss_sum"] / pairs
-        out["pairs_per_second"] = totals["pairs"] / seconds
-        out["tokens_per_second"] = totals["real_tokens"] / seconds
-        unshared = totals["unshared_tokens"]
-        out["prefix_sharing/tokens_saved"] = 1.0 - totals["shared_tokens"] / unshared if unshared else 0.0
-        out["packing/efficiency"] = totals["real_tokens"] / totals["slots"] if totals["slots"] else 0.0
-        self.reset()
-        return {f"{prefix}{k}": v for k, v in out.items()}
+        return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from prefixdpo.errors import ConfigError, UserError
+from prefixdpo.forward import text_config
 from prefixdpo.model_setup import prepare_policy
 from prefixdpo.models import init_kwargs_dtype, resolve_dtype
 
@@ -63,7 +64,7 @@ def agree_special_tokens(model, tokenizer, args) -> None:
         if args.pad_token or args.eos_token or args.chat_template_path:
             raise UserError("pad_token, eos_token and chat_template_path need processing_class (a tokenizer)")
         return
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     _tokens_in_vocab(tokenizer, eos_token=args.eos_token)
     if args.eos_token is not None:
         tokenizer.eos_token = args.eos_token

@@ -20,24 +20,14 @@ import torch
 
 from prefixdpo.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.forward import sliding_window_of, through_engine, unwrap
+from prefixdpo.forward import base_model, check_sequences_fit_window, decoder_output, text_config, through_engine
 from prefixdpo.logprobs import UnsupportedModelError
 
 
-def base_of(model):
-    """The transformers model under DDP/FSDP wrappers and PEFT (PEFT's `score` copy lives in it)."""
-    hf = unwrap(model)
-    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-
-
-def text_config(model):
-    cfg = base_of(model).config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def score_head(model) -> torch.nn.Module:
-    """The model's own score head (`score`: hidden [N, D] -> [N, 1]); refuses anything but one label."""
-    base = base_of(model)
+    """The model's own score head (`score`: hidden [N, D] -> [N, 1]); refuses anything but one label.
+    (Under PEFT, the trained copy of the head lives in the base model.)"""
+    base = base_model(model)
     head = getattr(base, "score", None)
     if not isinstance(head, torch.nn.Module):
         raise UnsupportedModelError(
@@ -90,40 +80,19 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
     return line, torch.where(last >= 0, last, first)
 
 
-def _final_hidden(model, inner_forward, **inputs) -> torch.Tensor:
-    """hidden [B, L, D]: the decoder's output, captured during the model's own forward (`inner_forward`)."""
-    captured: list[torch.Tensor] = []
-
-    def grab(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
-    handle = unwrap(model).get_decoder().register_forward_hook(grab)
-    try:
-        inner_forward(use_cache=False, **inputs)
-    finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
-    return captured[0]
-
-
 def compute_response_scores(model, batch: Batch, *, backend: str = "auto", attention_mask=None) -> torch.Tensor:
     """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
 
     A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
     its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
     """
-    cfg = text_config(model)
+    cfg = text_config(base_model(model))
     head = score_head(model)
     if cfg.pad_token_id is None and batch.input_ids.shape[0] > 1:
         raise UnsupportedModelError(
             "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
             "does from the tokenizer's pad token): it marks where each sequence ends")
-    window = sliding_window_of(base_of(model))
-    if window is not None and batch.max_sequence_length > window:
-        raise UnsupportedModelError(
-            f"sliding-window attention (window {window}) is shorter than a sequence of {batch.max_sequence_length} "
-            f"tokens in this batch; prefixdpo would not reproduce it (set max_length <= {window})")
+    check_sequences_fit_window(model, batch)
     device = batch.input_ids.device
     backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
     if attention_mask is None:
@@ -132,7 +101,7 @@ def compute_response_scores(model, batch: Batch, *, backend: str = "auto", atten
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
 
     def body(inner_forward, **inputs) -> dict:
-        hidden = _final_hidden(model, inner_forward, **inputs)
+        hidden, _ = decoder_output(model, inner_forward, **inputs)
         # the head's own dtype: under mixed precision the body's output may differ from the head's weights
         dtype = next(head.parameters()).dtype
         if empty:

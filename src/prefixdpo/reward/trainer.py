@@ -13,11 +13,8 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from prefixdpo.attention.backends import resolve_backend
 from prefixdpo.callbacks import PrefixDPOCallback
 from prefixdpo.data.loader import MicroBatches
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
@@ -66,11 +63,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
     def __init__(self, model=None, args: PrefixRewardConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
-        args = args if args is not None else PrefixRewardConfig()
-        if not isinstance(args, PrefixRewardConfig):
-            raise TypeError("args must be a PrefixRewardConfig")
-        self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
-        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
+        args = self._checked_args(args, PrefixRewardConfig)
         model, processing_class = prepare_reward_model(model, args, backend=self.backend, peft_config=peft_config,
                                                        tokenizer=processing_class)
         self._data_options = data_options or reward_data_options(args)

@@ -11,22 +11,16 @@ import torch
 
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.forward import prepare_model
+from prefixdpo.forward import prepare_model, text_config
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores
-from prefixdpo.verify import VerifyResult, stock_attention
+from prefixdpo.verify import VerifyResult, stock_sequences
 
 
 def separate_pass_scores(model, examples: list[Example]) -> torch.Tensor:
     """Scores [R] (responses in example order), one stock forward per `[prompt][response]` sequence."""
-    device = next(model.parameters()).device
-    scores = []
-    with stock_attention(model):
-        for ex in examples:
-            for response in ex.response_ids:
-                ids = torch.tensor([list(ex.prompt_ids) + list(response)], device=device)
-                scores.append(model(input_ids=ids, use_cache=False).logits[0, 0].float())
-    return torch.stack(scores)
+    return torch.stack([model(input_ids=ids, use_cache=False).logits[0, 0].float()
+                        for _, ids in stock_sequences(model, examples)])
 
 
 def _grads(model) -> torch.Tensor:
@@ -78,6 +72,6 @@ def load_for_verify(name, tokenizer, *, dtype, device: str, trust_remote_code: b
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise UserError(f"the tokenizer of {name} has neither a pad nor an EOS token: the score position is undefined")
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     cfg.pad_token_id = pad
     return model.train(False), pad
