@@ -84,3 +84,19 @@ def replace_folder(tmp_dir: str, final_dir: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(final_dir)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def move_files_into(src_dir: str, dst_dir: str, *, last: str | None = None) -> None:
+    """Move every file of `src_dir` (a complete, staged folder) into `dst_dir`, each by one rename (so each
+    file is whole at every instant), `last` after all others; then remove `src_dir`."""
+    names = []
+    for root, _, files in os.walk(src_dir):
+        names += [os.path.relpath(os.path.join(root, f), src_dir) for f in files]
+    names.sort(key=lambda n: n == last)
+    for name in names:
+        fsync_path(os.path.join(src_dir, name))
+        target = os.path.join(dst_dir, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(src_dir, name), target)
+    fsync_path(dst_dir)
+    shutil.rmtree(src_dir, ignore_errors=True)

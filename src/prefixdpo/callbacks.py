@@ -1,42 +1,88 @@
-"""The Trainer events `PrefixDPOTrainer` acts on, through transformers' public callback hooks, and the
+"""The Trainer events prefixdpo's trainers act on, through transformers' public callback hooks, and the
 TR-DPO reference update (`tr_dpo_callback`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
+import signal
+import threading
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
+from prefixdpo.checkpoints import last_good_checkpoint
 from prefixdpo.engines import describe_engine
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before killing a job
 
 
 class NonFiniteLossError(UserError):
     """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
 
 
+class PreemptionSignals:
+    """SIGTERM / SIGUSR1 during training: remembered by the handler, acted on at the end of the optimizer step
+    (`PrefixDPOCallback.on_step_end`). Handlers can only be installed from the main thread."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        self.received = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in PREEMPTION_SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def agreed(trainer, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (one reduce; every rank must call it together)."""
+    if trainer.accelerator.num_processes == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=trainer.args.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
 class PrefixDPOCallback(TrainerCallback):
     """Re-plans each epoch, keeps throughput free of set-up time, refuses a non-finite step before the
-    optimizer applies it, and saves our state in every checkpoint."""
+    optimizer applies it, and turns a preemption signal into a checkpoint and a stop after the optimizer step."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.signals = PreemptionSignals()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.trainer._metrics["train"].reset()  # throughput excludes set-up
         # the model is prepared by now: say which engine runs it (and that FSDP really sharded it)
         self.trainer.engine_description = describe_engine(self.trainer.accelerator, model or self.trainer.model)
         logger.info("engine: %s", self.trainer.engine_description)
+        self.signals.install()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # every rank stops after the same step, whichever ranks the signal reached
+        if self.trainer.preempted_at is None and agreed(self.trainer, self.signals.received is not None):
+            self.trainer.preempted_at = state.global_step
+            control.should_save = True  # Trainer saves (a complete checkpoint) right after this hook
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # a signal after the last step's check still means "stop, not done": `train` saves and raises
+        if self.trainer.preempted_at is None and agreed(self.trainer, self.signals.received is not None):
+            self.trainer.preempted_at = state.global_step
+        self.signals.restore()  # from here a SIGTERM ends the process as usual (nothing exported yet)
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates, or skips into them
@@ -52,35 +98,12 @@ class PrefixDPOCallback(TrainerCallback):
             flag = trainer.accelerator.reduce(flag, reduction="sum")
         loss, trainer._nonfinite_loss = trainer._nonfinite_loss, None
         if flag.item() > 0:
-            last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+            last = last_good_checkpoint(args.output_dir, trainer.run_fingerprint)
             raise NonFiniteLossError(
                 f"loss became {loss if loss is not None else 'NaN/inf on another rank'} (NaN/inf) in optimizer step "
                 f"{state.global_step + 1}; stopped before applying it. Last good checkpoint: "
                 f"{last or 'none saved yet'}. Try a lower learning rate, fp32/bf16 instead of fp16, or check the data."
             )
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if args.should_save and os.path.isdir(folder):
-            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
-                json.dump(self.trainer.step_context.state_dict(), fh)
-
-
-def latest_checkpoint(output_dir: str) -> str:
-    """The newest `checkpoint-*` folder in `output_dir` (`resume_from_checkpoint="latest"`)."""
-    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if last is None:
-        raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {output_dir}")
-    return last
-
-
-def load_state(checkpoint: str) -> dict:
-    """Our state saved by `on_save` in `checkpoint` ({} for checkpoints written before it existed)."""
-    path = os.path.join(checkpoint, STATE_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 class SyncReferenceCallback(TrainerCallback):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from prefixdpo.commands import COMMANDS
-from prefixdpo.errors import UserError
+from prefixdpo.errors import TrainingPreempted, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,11 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except TrainingPreempted as err:
+        # not finished: a non-zero code a scheduler reads as "run again"; said once, by the first process
+        if os.environ.get("RANK", "0") == "0":
+            print(f"prefixdpo {args.command}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     except (UserError, OSError) as err:
         # Bad input (an option, a record) or the environment (a missing file, a model name the hub does not
         # know) is reported as one line naming the problem. Anything else is a bug: its traceback propagates.
         print(f"prefixdpo {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
 
 
 if __name__ == "__main__":

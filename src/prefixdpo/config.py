@@ -64,6 +64,12 @@ class PrefixDPOConfig(TrainingArguments):
     )
     # ---- ours ----
     output_dir: str | None = field(default="prefixdpo-output", metadata={"help": "Where checkpoints and the model go."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that holds another run (checkpoints or a model with another "
+                          "fingerprint: model, data or options): its checkpoints are deleted first. Off: refused. "
+                          "(The name older TrainingArguments used; transformers 5 dropped it.)"},
+    )
     report_to: None | str | list[str] = field(
         default="none", metadata={"help": "Integrations to report to (tensorboard, wandb, trackio, ...; 'none')."}
     )

@@ -17,3 +17,16 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """An option (command line, YAML config or `PrefixDPOConfig` field) that is unknown or has a bad value."""
+
+
+class TrainingPreempted(Exception):
+    """A preemption signal (SIGTERM/SIGUSR1) stopped training after an optimizer step, and a complete
+    checkpoint of that step was saved: the run is not finished. The command line exits with `exit_code`
+    (75, EX_TEMPFAIL: "try again"), so a scheduler does not read the run as done."""
+
+    exit_code = 75
+
+    def __init__(self, step: int, max_steps: int, checkpoint: str):
+        super().__init__(f"preempted at step {step} of {max_steps}: checkpoint saved to {checkpoint}; resume with "
+                         "--resume_from_checkpoint latest")
+        self.step, self.max_steps, self.checkpoint = step, max_steps, checkpoint

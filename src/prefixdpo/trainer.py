@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from prefixdpo.attention.backends import build_attention_mask
-from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, load_state, tr_dpo_callback
+from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, tr_dpo_callback
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.engines import prepare_reference_for_engine
@@ -157,5 +157,8 @@ class PrefixDPOTrainer(PrefixTrainerBase):
 
     # ---- resume -----------------------------------------------------------------------------
 
-    def _load_resume_state(self, checkpoint: str) -> None:
-        self.step_context.load_state_dict(load_state(checkpoint))  # e.g. BCO's running mean
+    def _checkpoint_state(self) -> dict:
+        return self.step_context.state_dict()  # e.g. BCO's running mean
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        self.step_context.load_state_dict(state)

@@ -9,27 +9,35 @@
 - evaluation weighs every pair equally (Trainer's loop would concatenate logits per batch);
 - logging: pairs (not micro-batches) as samples, the subclass's metric sums reduced over ranks;
 - engines: a requested FSDP applied (also on CPU) or refused (`engines.py`); an export is always a whole
-  model that stock `from_pretrained` loads; `resume_from_checkpoint="latest"`.
+  model that stock `from_pretrained` loads;
+- runs that survive (`checkpoints.py`): every checkpoint is staged and renamed into view complete, with our
+  state and the run's fingerprint; `resume_from_checkpoint="latest"` takes the newest complete checkpoint of
+  this run; an output_dir holding another run is refused; SIGTERM/SIGUSR1 end the optimizer step, save a
+  checkpoint and raise `TrainingPreempted`. Every such decision is taken on rank 0 and broadcast.
 
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
-sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table` and `_item_view`.
+sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_item_view`, and its
+per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 from collections.abc import Mapping
 
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from prefixdpo import checkpoints
+from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.attention.backends import resolve_backend
-from prefixdpo.callbacks import latest_checkpoint
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
-from prefixdpo.errors import UserError
+from prefixdpo.errors import TrainingPreempted, UserError
 from prefixdpo.forward import restore_stock_attention, unwrap
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.training_data import loader_settings, pad_token_id
@@ -68,6 +76,9 @@ class PrefixTrainerBase(Trainer):
         self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
         self._train_micro: MicroBatches | None = None
         self.engine_description = "not started"  # set when training begins (`engines.describe_engine`)
+        self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
+        self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
+        drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it (`callbacks.py`)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -169,20 +180,165 @@ class PrefixTrainerBase(Trainer):
 
     # ---- train / save -----------------------------------------------------------------------
 
-    def _load_resume_state(self, checkpoint: str) -> None:
-        """Restore the subclass's own state saved in `checkpoint` (none by default)."""
+    def _checkpoint_state(self) -> dict:
+        """The subclass's own state saved in every checkpoint (JSON-able; none by default)."""
+        return {}
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        """Restore what `_checkpoint_state` saved (none by default)."""
+
+    def _decided_once(self, decide):
+        """`decide()` run on rank 0 only and its result (or its UserError) given to every rank, so that no
+        rank takes another branch because its disk differs."""
+        outcome = None
+        if self.accelerator.is_main_process:
+            try:
+                outcome = ("ok", decide())
+            except UserError as err:
+                outcome = ("error", str(err))
+        if self.accelerator.num_processes > 1:
+            box = [outcome]
+            torch.distributed.broadcast_object_list(box, src=0)
+            outcome = box[0]
+        if outcome[0] == "error":
+            raise UserError(outcome[1])
+        return outcome[1]
+
+    def _prepare_output_dir(self, resume_from_checkpoint):
+        """Refuse an output_dir holding another run (or clear it with `overwrite_output_dir`) and resolve
+        `resume_from_checkpoint` ('latest' or a path) to a checked checkpoint of this run; rank 0 decides."""
+        output_dir = self.args.output_dir
+        fingerprint = self.run_fingerprint
+
+        def decide():
+            checkpoints.remove_leftovers(output_dir)
+            other = checkpoints.other_run_in(output_dir, fingerprint)
+            notes = []
+            if other and not self.args.overwrite_output_dir:
+                raise UserError(f"output_dir {output_dir} holds another run ({other}): choose another --output_dir, "
+                                "or pass --overwrite_output_dir true to replace its checkpoints")
+            if other:
+                removed = checkpoints.clear_other_run(output_dir)
+                notes.append(f"overwrite_output_dir: removed another run's {', '.join(removed) or 'run file'}")
+            path = resume_from_checkpoint
+            if path == "latest":
+                point = checkpoints.choose_latest(output_dir, fingerprint)
+                notes += [f"skipped {skipped}: {why}" for skipped, why in point.skipped]
+                path = point.path
+            elif isinstance(path, str):
+                checkpoints.check_resume_path(path, fingerprint)
+            state = checkpoints.read_state(path) if isinstance(path, str) else None
+            return path, (state or {}).get("trainer", {}), notes
+
+        resume, state, notes = self._decided_once(decide)
+        for note in notes:
+            logging.getLogger(__name__).warning("%s", note)
+            if self.accelerator.is_main_process:
+                print(f"prefixdpo: {note}", flush=True)
+        if isinstance(resume, str):
+            self._restore_checkpoint_state(state)
+        return resume
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Trainer.train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
-        if resume_from_checkpoint == "latest":
-            resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
-        if isinstance(resume_from_checkpoint, str):
-            self._load_resume_state(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        """Trainer.train, with `resume_from_checkpoint="latest"` (the newest complete checkpoint of this run in
+        output_dir) and preemption: a SIGTERM/SIGUSR1 ends the current optimizer step, saves a complete
+        checkpoint and raises `TrainingPreempted` (the run is not finished: nothing is exported)."""
+        self.run_fingerprint = checkpoints.run_fingerprint(self.model, self.train_dataset or [], self.args,
+                                                           type(self).__name__)
+        resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
+        self.preempted_at = None
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.preempted_at is not None:
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
+            if not os.path.isdir(folder):  # the signal came after the last step's check: save now
+                self._save_checkpoint(self.model, trial=None)
+            raise TrainingPreempted(self.preempted_at, self.state.max_steps, folder)
+        return output
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, made complete-or-invisible: every rank writes into a hidden staging folder
+        (Trainer's own `_save_checkpoint`, with its output folder pointed there), then rank 0 adds our state
+        file last and renames the folder into view; old checkpoints are rotated only after that."""
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        staging = checkpoints.staging_root(run_dir, step)
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)  # a killed earlier attempt at this step
+        self.accelerator.wait_for_everyone()
+        limit = self.args.save_total_limit
+        # `_get_output_dir` is where Trainer's `_save_checkpoint` (and nothing else in it) reads the run folder
+        # from; shadowing it on the instance for this one call stages every file Trainer and the engines write.
+        # Trainer's own rotation then sees only the staged checkpoint: it is done below, after the rename.
+        self._get_output_dir = lambda trial=None: staging
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+            self.args.save_total_limit = limit
+        staged = os.path.join(staging, f"checkpoint-{step}")
+        final = os.path.join(run_dir, f"checkpoint-{step}")
+        best = self.state.best_model_checkpoint
+        if best and os.path.abspath(best) == os.path.abspath(staged):  # Trainer named the staged path
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        finite = self._weights_finite()
+        self.accelerator.wait_for_everyone()  # every rank's shard is on disk
+        if self.args.should_save:
+            checkpoints.seal_checkpoint(staged, final, {
+                "step": step, "run": self.run_fingerprint, "weights_finite": finite,
+                "trainer": self._checkpoint_state(),
+            })
+            shutil.rmtree(staging, ignore_errors=True)
+            checkpoints.rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight of the policy is finite on every rank (each rank checks what it holds)."""
+        flag = torch.ones((), device=self.args.device)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            if local.numel() and not torch.isfinite(local.detach()).all():
+                flag.zero_()
+                break
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # checkpoints (internal calls) stay as configured; an export is always a whole, stock-loadable model
-        with contextlib.nullcontext() if _internal_call else whole_model_state_dict(self):
-            super().save_model(output_dir, _internal_call)
-        if self.args.should_save:  # the saved config names stock attention: loadable without prefixdpo
-            restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
+        """Trainer's save; an export (not a checkpoint) is always a whole, stock-loadable model, staged and
+        moved into `output_dir` file by file (each file whole), with the run's fingerprint (`RUN_FILE`) last."""
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:  # a checkpoint: stays as configured (sharded or not); staged by `_save_checkpoint`
+            super().save_model(folder, _internal_call)
+            if self.args.should_save:
+                restore_stock_attention(folder)
+            return
+        staging = os.path.join(folder, ".export.staging")
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        with whole_model_state_dict(self):
+            super().save_model(staging, _internal_call)
+        if self.args.should_save:
+            restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
+            if self.run_fingerprint is not None:  # which run wrote this model (`checkpoints.other_run_in`)
+                atomic_write_json(os.path.join(staging, checkpoints.RUN_FILE),
+                                  {"run": self.run_fingerprint, "step": self.state.global_step})
+            move_files_into(staging, folder, last=checkpoints.RUN_FILE)
+        self.accelerator.wait_for_everyone()
+
+
+def drop_transformers_jit_checkpoint(trainer) -> None:
+    """Remove transformers' `JITCheckpointCallback` (`--enable_jit_checkpoint`) and put back the SIGTERM
+    handler it installed over: prefixdpo always checkpoints on SIGTERM/SIGUSR1, after the optimizer step
+    (theirs saves mid-step, without our state, and lets the run end as if finished)."""
+    import signal
+
+    for callback in list(trainer.callback_handler.callbacks):
+        if type(callback).__name__ == "JITCheckpointCallback":
+            manager = getattr(callback, "jit_manager", None)
+            if manager is not None and manager._original_sigterm_handler is not None:
+                signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+            trainer.callback_handler.remove_callback(callback)

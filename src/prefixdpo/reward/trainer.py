@@ -27,14 +27,6 @@ from prefixdpo.trainer_base import PrefixTrainerBase
 __all__ = ["PrefixRewardTrainer"]
 
 
-class RewardCallback(PrefixDPOCallback):
-    """The DPO trainer's callback (epoch re-planning, throughput without set-up time, a non-finite loss
-    stopped before the optimizer applies it); a reward model keeps no per-checkpoint state of its own."""
-
-    def on_save(self, args, state, control, **kwargs):
-        return None
-
-
 class _WithMargins(torch.utils.data.Dataset):
     """A `MicroBatches` whose items also carry `margins` ([P] or None) of their pairs."""
 
@@ -71,7 +63,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         train, evals = self._examples_of(train_dataset, eval_dataset, processing_class)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-        self.add_callback(RewardCallback(self))
+        self.add_callback(PrefixDPOCallback(self))
         self._init_run_state()
 
     def _as_examples(self, data, tokenizer, name: str):

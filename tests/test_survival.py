@@ -1,0 +1,175 @@
+"""Runs that survive: a training run killed at any instant, or preempted, loses at most the work since its last
+complete checkpoint, resumes from that checkpoint with `--resume_from_checkpoint latest`, and ends with the
+weights of an uninterrupted run; checkpoints of another run are never taken as this run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixdpo import checkpoints
+from prefixdpo.cli import main
+
+HERE = Path(__file__).resolve().parent
+
+# (fault point, optimizer step) -> the newest complete checkpoint when the fault strikes (save_steps 3)
+TRIALS = [
+    *({"point": "mid_step", "step": s, "expect": 3 * ((s - 1) // 3)} for s in (4, 8, 11)),
+    *({"point": "between_steps", "step": s, "expect": 3 * (s // 3)} for s in (5, 6, 10)),
+    *({"point": "after_model_file", "step": s, "expect": s - 3} for s in (6, 9, 12)),
+    *({"point": "after_optimizer", "step": s, "expect": s - 3} for s in (6, 12)),
+    *({"point": "mid_optimizer_file", "step": s, "expect": s - 3} for s in (6, 9)),
+    {"point": "mid_model_file", "step": 9, "expect": 6},
+    *({"point": "before_our_state", "step": s, "expect": s - 3} for s in (6, 12)),
+    {"point": "before_rename", "step": 9, "expect": 6},
+    {"point": "mid_rotation", "step": 9, "expect": 9},  # checkpoint-9 is sealed before the oldest is deleted
+    {"point": "mid_export", "step": 12, "expect": 12},
+    *({"point": "sigterm", "step": s, "expect": s} for s in (5, 10)),  # preempted: a checkpoint at that step
+    {"point": "sigusr1", "step": 7, "expect": 7},
+]
+
+
+def _tiny_base(folder: Path) -> None:
+    from prefixdpo.demo import DemoSpec, build_demo
+
+    build_demo(folder, DemoSpec(num_train=48, num_eval=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                                vocab_size=300))
+
+
+@pytest.fixture(autouse=True)
+def _no_progress_bars():
+    """stderr holds exactly what the command writes (transformers' loading bars off)."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    yield
+    if was_on:
+        logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    work = tmp_path_factory.mktemp("survival")
+    _tiny_base(work / "base")
+    return work
+
+
+def test_kill_anywhere_resumes_from_the_newest_complete_checkpoint(base):
+    """22 trials: SIGKILL inside steps, between them, and inside saves (after the model file, after the
+    optimizer, half-way through a file, before our state, before the rename, while rotating, while exporting),
+    plus SIGTERM/SIGUSR1; each resume takes the newest complete checkpoint and ends on the uninterrupted weights."""
+    trials = base / "trials.json"
+    trials.write_text(json.dumps(TRIALS))
+    result = base / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(HERE / "survival_driver.py"), str(base), str(trials), str(result)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads(result.read_text())
+    assert len(rows) == len(TRIALS) >= 20
+    for row in rows:
+        signalled = row["point"] in ("sigterm", "sigusr1")
+        assert row["faulty_code"] == (75 if signalled else -signal.SIGKILL), row
+        assert f"checkpoint-{row['expect']}" in row["complete_after_fault"], row
+        assert all(int(c.split("-")[1]) <= row["expect"] for c in row["complete_after_fault"]), row
+        assert row["chosen"] == f"checkpoint-{row['expect']}", row
+        assert row["resume_code"] == 0, row
+        assert row["max_weight_diff"] <= 1e-6, row
+
+
+def _train(base: Path, out: Path, *extra: str) -> int:
+    return main(["train", "--model", str(base / "base" / "model"), "--dataset", str(base / "base" / "train.jsonl"),
+                 "--output_dir", str(out), "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
+                 "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false",
+                 "--gradient_checkpointing", "false", "--disable_tqdm", "true", "--report_to", "none", *extra])
+
+
+def test_output_dir_of_another_run_is_refused_and_overwrite_replaces_it(base, capsys):
+    out = base / "other-run"
+    assert _train(base, out, "--beta", "0.1") == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert _train(base, out, "--beta", "0.2") == 2  # other options: another run
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds another run" in err[0] and "beta 0.1 -> 0.2" in err[0], err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing overwritten
+    # max_steps and logging may change on resume: still this run
+    assert _train(base, out, "--beta", "0.1", "--max_steps", "6", "--logging_steps", "3",
+                  "--resume_from_checkpoint", "latest") == 0
+    assert _train(base, out, "--beta", "0.2", "--overwrite_output_dir", "true") == 0
+    state = checkpoints.read_state(str(out / "checkpoint-4"))
+    assert state["run"]["options"]["beta"] == 0.2
+    assert not (out / "checkpoint-6").exists()  # the other run's checkpoints are gone
+
+
+def test_latest_skips_incomplete_and_refuses_foreign_checkpoints(base, capsys):
+    out = base / "torn"
+    assert _train(base, out) == 0
+    # a checkpoint torn by a tool that writes in place: a truncated model file
+    model_file = out / "checkpoint-4" / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    capsys.readouterr()
+    assert _train(base, out, "--resume_from_checkpoint", "latest", "--max_steps", "6") == 0
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "checkpoint-4" in printed and "model.safetensors holds 100 bytes" in printed
+    # a checkpoint of another run placed under a newer step number: refused in one line, not resumed
+    (out / "checkpoint-6").rename(out / "checkpoint-9")
+    state_file = out / "checkpoint-9" / checkpoints.STATE_FILE
+    state = json.loads(state_file.read_text())
+    state["run"]["data"] = "0" * 64
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert _train(base, out, "--resume_from_checkpoint", "latest", "--max_steps", "12") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "another run" in line and "checkpoint-9" in line and "training data" in line
+
+
+def test_preempted_two_rank_torchrun_saves_exits_nonzero_and_resumes_exactly(base):
+    """SIGTERM to torchrun at a random step: both ranks finish that optimizer step, one complete checkpoint with
+    our state is saved, the exit code is not 0 and nothing is exported; resuming equals an uninterrupted run."""
+    import random
+
+    from safetensors.torch import load_file
+
+    def launch(out, *extra):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "prefixdpo.cli", "train", "--model", str(base / "base" / "model"),
+                "--dataset", str(base / "base" / "train.jsonl"), "--output_dir", str(out), "--max_steps", "40",
+                "--save_strategy", "steps", "--save_steps", "100", "--per_device_train_batch_size", "2",
+                "--learning_rate", "1e-3", "--optim", "adamw_torch", "--bf16", "false", "--logging_steps", "1",
+                "--gradient_checkpointing", "false", "--disable_tqdm", "true", "--report_to", "none", *extra]
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    reference = launch(base / "ddp-reference")
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    stop_after = random.Random().randint(3, 25)
+    run = launch(base / "ddp-preempted")
+    seen = 0
+    for line in run.stdout:
+        seen += line.startswith("{'loss'")
+        if seen == stop_after:
+            run.send_signal(signal.SIGTERM)
+            break
+    out, err = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert "preempted at step" in err, err[-3000:]
+    step = int(err.split("preempted at step ")[1].split()[0])
+    assert stop_after <= step < 40
+    folder = base / "ddp-preempted" / f"checkpoint-{step}"
+    assert checkpoints.checkpoint_problem(str(folder), None) is None  # complete, with our state
+    assert "Model saved" not in out and not (base / "ddp-preempted" / "model.safetensors").exists()
+    resumed = launch(base / "ddp-preempted", "--resume_from_checkpoint", "latest")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    expected = load_file(str(base / "ddp-reference" / "model.safetensors"))
+    got = load_file(str(base / "ddp-preempted" / "model.safetensors"))
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-6
+    assert all(torch.isfinite(v).all() for v in got.values())
