@@ -212,6 +212,8 @@ def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
     reference_out = os.path.join(workdir, "reference")
     assert run_child(lambda: main(command(workdir, reference_out, resume=False))) == 0
     reference = final_weights(reference_out)
+    start = safetensors.torch.load_file(os.path.join(workdir, "base", "model", "model.safetensors"))
+    moved = max(float((reference[k] - start[k]).abs().max()) for k in reference)
     results = []
     for i, trial in enumerate(trials):
         out = os.path.join(workdir, f"trial-{i}")
@@ -234,7 +236,7 @@ def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
                         "chosen": os.path.basename(chosen) if chosen else None, "resume_code": resume_code,
                         "max_weight_diff": diff})
     with open(result_path, "w") as fh:
-        json.dump(results, fh, indent=1)
+        json.dump({"reference_moved": moved, "trials": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
