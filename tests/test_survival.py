@@ -151,8 +151,10 @@ def test_preempted_two_rank_torchrun_saves_exits_nonzero_and_resumes_exactly(bas
                 "--gradient_checkpointing", "false", "--disable_tqdm", "true", "--report_to", "none", *extra]
         return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    reference = launch(base / "ddp-reference")
-    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    reference = launch(base / "ddp-reference")  # no --use_cpu: torchrun without a GPU still makes one 2-process job
+    out, err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, err[-3000:]
+    assert "Engine: MULTI_CPU over 2 processes" in out
     stop_after = random.Random().randint(3, 25)
     run = launch(base / "ddp-preempted")
     seen = 0

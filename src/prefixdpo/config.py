@@ -190,6 +190,7 @@ class PrefixDPOConfig(TrainingArguments):
             self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         if self.ddp_find_unused_parameters is None:
             self.ddp_find_unused_parameters = False  # see the field: Trainer's None would search when not checkpointing
+        join_cpu_processes(self)
         super().__post_init__()
         self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of, self.use_cpu)
         if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
@@ -272,6 +273,19 @@ class PrefixDPOConfig(TrainingArguments):
             return self.ref_cache_dir
         base = os.environ.get("PREFIXDPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "prefixdpo")
         return os.path.join(base, "ref_logps")
+
+
+def join_cpu_processes(args) -> None:
+    """Several processes (torchrun / accelerate launch) on a machine without an accelerator train together on the
+    CPU (gloo). transformers sets that up only with use_cpu; without it every process would run as a separate
+    single-process run (each its own rank 0), all writing the same output_dir."""
+    import torch
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    if launched and not accelerator and not args.use_cpu:
+        args.use_cpu = True
+        args.ddp_backend = args.ddp_backend or "gloo"
 
 
 def _device_has_bf16(use_cpu: bool) -> bool:

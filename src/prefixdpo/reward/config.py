@@ -15,7 +15,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from prefixdpo.attention.backends import BACKENDS
-from prefixdpo.config import DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser
+from prefixdpo.config import DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes
 from prefixdpo.errors import ConfigError
 
 
@@ -96,6 +96,7 @@ class PrefixRewardConfig(TrainingArguments):
         self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
         if self.ddp_find_unused_parameters is None:
             self.ddp_find_unused_parameters = False
+        join_cpu_processes(self)
         super().__post_init__()
         self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of, self.use_cpu)
         self._check()
