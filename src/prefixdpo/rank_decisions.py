@@ -45,3 +45,10 @@ def gather(value: Any) -> list:
     out: list = [None] * world
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+def wait_for_all() -> None:
+    """Return when every rank has come here (what one rank wrote before it is then there for all)."""
+    _, world = rank_and_world()
+    if world > 1:
+        torch.distributed.barrier()
