@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from prefixdpo.checkpoints import last_good_checkpoint
 from prefixdpo.engines import describe_engine
+from prefixdpo.rank_decisions import any_rank
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
 
@@ -47,15 +48,6 @@ class PreemptionSignals:
         self._previous = {}
 
 
-def agreed(trainer, flag: bool) -> bool:
-    """True on every rank if `flag` is true on any rank (one reduce; every rank must call it together)."""
-    if trainer.accelerator.num_processes == 1:
-        return flag
-    t = torch.tensor([float(flag)], device=trainer.args.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
 class PrefixDPOCallback(TrainerCallback):
     """Re-plans each epoch, keeps throughput free of set-up time, refuses a non-finite step before the
     optimizer applies it, and turns a preemption signal into a checkpoint and a stop after the optimizer step."""
@@ -73,14 +65,14 @@ class PrefixDPOCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         # every rank stops after the same step, whichever ranks the signal reached
-        if self.trainer.preempted_at is None and agreed(self.trainer, self.signals.received is not None):
+        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
             self.trainer.preempted_at = state.global_step
             control.should_save = True  # Trainer saves (a complete checkpoint) right after this hook
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         # a signal after the last step's check still means "stop, not done": `train` saves and raises
-        if self.trainer.preempted_at is None and agreed(self.trainer, self.signals.received is not None):
+        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
             self.trainer.preempted_at = state.global_step
         self.signals.restore()  # from here a SIGTERM ends the process as usual (nothing exported yet)
 

@@ -37,6 +37,16 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def any_rank(flag: bool, device="cpu") -> bool:
+    """True on every rank if `flag` is true on any rank (one all-reduce; every rank must call it together)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def gather(value: Any) -> list:
     """Every rank's `value`, in rank order, on every rank."""
     _, world = rank_and_world()

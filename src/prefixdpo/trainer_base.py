@@ -39,6 +39,7 @@ from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
 from prefixdpo.errors import TrainingPreempted, UserError
 from prefixdpo.forward import restore_stock_attention, unwrap
+from prefixdpo.rank_decisions import from_rank0
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.training_data import loader_settings, pad_token_id
 
@@ -196,10 +197,7 @@ class PrefixTrainerBase(Trainer):
                 outcome = ("ok", decide())
             except UserError as err:
                 outcome = ("error", str(err))
-        if self.accelerator.num_processes > 1:
-            box = [outcome]
-            torch.distributed.broadcast_object_list(box, src=0)
-            outcome = box[0]
+        outcome = from_rank0(outcome)
         if outcome[0] == "error":
             raise UserError(outcome[1])
         return outcome[1]
