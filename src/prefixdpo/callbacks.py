@@ -3,17 +3,21 @@ TR-DPO reference update (`tr_dpo_callback`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
+import re
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from prefixdpo.atomic_io import atomic_write_json
 from prefixdpo.engines import describe_engine
 from prefixdpo.errors import ConfigError, UserError
+from prefixdpo.nonfinite import NonFiniteLossError  # noqa: F401  (raised through here; imported from here by users)
 from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -21,13 +25,10 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "prefixdpo_state.json"  # our per-checkpoint state (BCO's running mean), beside Trainer's
 
 
-class NonFiniteLossError(UserError):
-    """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
-
-
 class PrefixDPOCallback(TrainerCallback):
-    """Re-plans each epoch, keeps throughput free of set-up time, refuses a non-finite step before the
-    optimizer applies it, and saves our state in every checkpoint."""
+    """Re-plans each epoch, keeps throughput free of set-up time, has every optimizer step checked for
+    non-finite values before the optimizer applies it (`nonfinite.NonFiniteGuard`), and saves our state in
+    every checkpoint."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -37,6 +38,7 @@ class PrefixDPOCallback(TrainerCallback):
         # the model is prepared by now: say which engine runs it (and that FSDP really sharded it)
         self.trainer.engine_description = describe_engine(self.trainer.accelerator, model or self.trainer.model)
         logger.info("engine: %s", self.trainer.engine_description)
+        self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # Re-plan this epoch's micro-batches (seeded by epoch) before Trainer iterates, or skips into them
@@ -45,25 +47,72 @@ class PrefixDPOCallback(TrainerCallback):
         if micro is not None:
             micro.set_epoch(math.floor(state.epoch + 1e-9))
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        flag = torch.tensor([float(trainer._nonfinite_loss is not None)], device=args.device)
-        if trainer.accelerator.num_processes > 1:  # every rank decides together
-            flag = trainer.accelerator.reduce(flag, reduction="sum")
-        loss, trainer._nonfinite_loss = trainer._nonfinite_loss, None
-        if flag.item() > 0:
-            last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-            raise NonFiniteLossError(
-                f"loss became {loss if loss is not None else 'NaN/inf on another rank'} (NaN/inf) in optimizer step "
-                f"{state.global_step + 1}; stopped before applying it. Last good checkpoint: "
-                f"{last or 'none saved yet'}. Try a lower learning rate, fp32/bf16 instead of fp16, or check the data."
-            )
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        # The narrowest public hook that sees a whole step before it is applied: Trainer calls it once per
+        # optimizer step, after every micro-batch's backward and the gradient sync, clipping and norm, and
+        # right before `optimizer.step()` (DeepSpeed: after its engine step, which skips non-finite steps).
+        self.trainer.nonfinite.check(self.trainer, model or self.trainer.model, state.global_step + 1,
+                                     functools.partial(last_good_checkpoint, args.output_dir))
+
+    def nonfinite_state(self) -> dict:
+        """The non-finite guard's counts (skipped steps, consecutive non-finite steps), saved per checkpoint."""
+        return self.trainer.nonfinite.state_dict()
+
+    def load_nonfinite_state(self, state: dict) -> None:
+        self.trainer.nonfinite.load_state_dict(state)
+
+    def checkpoint_state(self) -> dict:
+        """What `on_save` writes beside Trainer's files: the step context's state and the non-finite counts."""
+        return {**self.trainer.step_context.state_dict(), "nonfinite": self.nonfinite_state()}
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if args.should_save and os.path.isdir(folder):
-            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
-                json.dump(self.trainer.step_context.state_dict(), fh)
+            atomic_write_json(os.path.join(folder, STATE_FILE), self.checkpoint_state())
+
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def last_good_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` folder in `output_dir` whose model weights are all finite, or None.
+
+    Weights are the safetensors files of the folder (`model.safetensors`, the shards a
+    `model.safetensors.index.json` names, `adapter_model.safetensors`), read one tensor at a time. A folder
+    with no safetensors weights (a DeepSpeed or FSDP sharded state) is taken as it is.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    numbered = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
+    for _, name in sorted(numbered, reverse=True):
+        folder = os.path.join(output_dir, name)
+        if os.path.isdir(folder) and _weights_finite(folder):
+            return folder
+    return None
+
+
+def _weights_finite(folder: str) -> bool:
+    """Whether every tensor in the folder's safetensors weight files is finite (True when there are none)."""
+    from safetensors import safe_open
+
+    files = {name for name in os.listdir(folder) if name.endswith(".safetensors")}
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            files |= set(json.load(fh).get("weight_map", {}).values())
+    for name in sorted(files):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return False  # a shard the index names is missing: not a checkpoint to resume from
+        try:
+            with safe_open(path, framework="pt") as fh:
+                for key in fh.keys():
+                    tensor = fh.get_tensor(key)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        return False
+        except Exception:  # noqa: BLE001  (a truncated or garbled file: whatever safetensors raises, not good)
+            return False
+    return True
 
 
 def latest_checkpoint(output_dir: str) -> str:

@@ -158,4 +158,5 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     # ---- resume -----------------------------------------------------------------------------
 
     def _load_resume_state(self, checkpoint: str) -> None:
+        super()._load_resume_state(checkpoint)
         self.step_context.load_state_dict(load_state(checkpoint))  # e.g. BCO's running mean

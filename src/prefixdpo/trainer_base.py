@@ -26,11 +26,12 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from prefixdpo.attention.backends import resolve_backend
-from prefixdpo.callbacks import latest_checkpoint
+from prefixdpo.callbacks import latest_checkpoint, load_state
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
 from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
 from prefixdpo.errors import UserError
 from prefixdpo.forward import restore_stock_attention, unwrap
+from prefixdpo.nonfinite import NonFiniteGuard, check_engine_support, poisoned
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.training_data import loader_settings, pad_token_id
 
@@ -65,7 +66,7 @@ class PrefixTrainerBase(Trainer):
         self._offload = activation_offloading_context(self.model, self.args.activation_offloading)
         self._metrics = {"train": self._new_metric_sums(), "eval": self._new_metric_sums()}
         self._pairs_trained = 0.0
-        self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
+        self.nonfinite = NonFiniteGuard(self.args.nonfinite, self.args.nonfinite_max_consecutive)
         self._train_micro: MicroBatches | None = None
         self.engine_description = "not started"  # set when training begins (`engines.describe_engine`)
 
@@ -73,6 +74,7 @@ class PrefixTrainerBase(Trainer):
         super().create_accelerator_and_postprocess()
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
         refuse_unsupported_engine_options(self)
+        check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -120,7 +122,12 @@ class PrefixTrainerBase(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         with self._offload:  # activation_offloading (TRL's context; a no-op when off)
-            return self._compute_loss(model, inputs, return_outputs)
+            result = self._compute_loss(model, inputs, return_outputs)
+        if return_outputs or not model.training:
+            return result
+        # A non-finite loss makes every gradient it reaches NaN (a finite one is unchanged), so an engine
+        # that checks gradients itself before stepping (DeepSpeed, inside backward) skips this step too.
+        return poisoned(result)
 
     def _step_share(self, inputs) -> float:
         """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring)."""
@@ -128,9 +135,15 @@ class PrefixTrainerBase(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not torch.isfinite(loss):  # PrefixDPOCallback stops before the optimizer applies this step
-            self._nonfinite_loss = float(loss)
+        self.nonfinite.note_loss(loss)  # checked with the gradient norm before the optimizer step
         return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Trainer's norm of this step's gradients (global under DDP/FSDP2), the one it logs; Trainer calls
+        # this right before `on_pre_optimizer_step`, where the non-finite guard reads it.
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self.nonfinite.note_grad_norm(grad_norm)
+        return grad_norm
 
     # ---- evaluation and logging -------------------------------------------------------------
 
@@ -153,13 +166,18 @@ class PrefixTrainerBase(Trainer):
         # Every rank reaches this point together, so the reduce inside `summary` is safe.
         train = self._metrics["train"]
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
-            logs = {**logs, **train.summary(self.accelerator)}
+            logs = {**logs, **train.summary(self.accelerator), **self._nonfinite_logs()}
             self._pairs_trained += train.last_pairs
         if "train_runtime" in logs:  # Trainer counts micro-batches as samples; a sample here is a pair
             train.summary(self.accelerator)
             self._pairs_trained += train.last_pairs
             logs["train_samples_per_second"] = round(self._pairs_trained / max(logs["train_runtime"], 1e-9), 3)
+            logs.update(self._nonfinite_logs())
         super().log(logs, start_time)
+
+    def _nonfinite_logs(self) -> dict[str, int]:
+        """`nonfinite_skipped`: optimizer steps skipped so far in the run (nonfinite=skip)."""
+        return {"nonfinite_skipped": self.nonfinite.skipped} if self.nonfinite.policy == "skip" else {}
 
     def floating_point_ops(self, inputs) -> int:
         # 6 x parameters x real tokens (forward + backward), the usual estimate
@@ -170,7 +188,8 @@ class PrefixTrainerBase(Trainer):
     # ---- train / save -----------------------------------------------------------------------
 
     def _load_resume_state(self, checkpoint: str) -> None:
-        """Restore the subclass's own state saved in `checkpoint` (none by default)."""
+        """Restore our state saved in `checkpoint`: the non-finite counts (a subclass adds its own)."""
+        self.nonfinite.load_state_dict(load_state(checkpoint).get("nonfinite", {}))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Trainer.train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""

@@ -28,11 +28,12 @@ __all__ = ["PrefixRewardTrainer"]
 
 
 class RewardCallback(PrefixDPOCallback):
-    """The DPO trainer's callback (epoch re-planning, throughput without set-up time, a non-finite loss
-    stopped before the optimizer applies it); a reward model keeps no per-checkpoint state of its own."""
+    """The DPO trainer's callback (epoch re-planning, throughput without set-up time, a non-finite step
+    stopped or skipped before the optimizer applies it); a reward model keeps no step context, so a
+    checkpoint's own state is the non-finite counts alone."""
 
-    def on_save(self, args, state, control, **kwargs):
-        return None
+    def checkpoint_state(self) -> dict:
+        return {"nonfinite": self.nonfinite_state()}
 
 
 class _WithMargins(torch.utils.data.Dataset):
