@@ -395,14 +395,18 @@ def test_engines_where_the_policy_cannot_hold_are_refused():
     assert "without ZeRO" in deepspeed_gap({"zero_optimization": {"stage": 0}}, args)
     assert "compute_grad_norm" in deepspeed_gap({"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, args)
 
-    def trainer(ds_config=None, **kw):
+    def trainer(ds_config=None, scaler=None, **kw):
         plugin = None if ds_config is None else SimpleNamespace(deepspeed_config=ds_config)
-        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), scaler=None)
+        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), scaler=scaler)
         return SimpleNamespace(args=SimpleNamespace(**{**vars(args), **kw}), accelerator=accelerator)
 
     with pytest.raises(ConfigError, match="^nonfinite=stop: DeepSpeed without ZeRO in fp32 .*[^\n]$"):
         check_engine_support(trainer({"zero_optimization": {"stage": 0}}))
     with pytest.raises(ConfigError, match="^nonfinite=skip with fp16: fp16's loss scaler"):
-        check_engine_support(trainer(nonfinite="skip", fp16=True))
-    check_engine_support(trainer(fp16=True))  # stop with fp16: the loss is checked, overflow is the scaler's
+        check_engine_support(trainer(nonfinite="skip", fp16=True, scaler=torch.amp.GradScaler("cpu")))
+    with pytest.raises(ConfigError, match="^nonfinite=skip with fp16"):  # DeepSpeed's fp16, "auto" from --fp16
+        check_engine_support(trainer({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}},
+                                     nonfinite="skip", fp16=True))
+    check_engine_support(trainer(fp16=True, scaler=torch.amp.GradScaler("cpu")))  # stop: the loss is checked
+    check_engine_support(trainer(nonfinite="skip", fp16=True))  # fp16 without a loss scaler (CPU): ours to skip
     check_engine_support(trainer({"zero_optimization": {"stage": 3}}, nonfinite="skip"))

@@ -24,7 +24,6 @@ so every rank takes the same decision and no rank steps alone.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -108,7 +107,7 @@ def check_engine_support(trainer) -> None:
         if gap is not None:
             raise ConfigError(f"nonfinite={args.nonfinite}: {gap}; use ZeRO stage 1-3 with DeepSpeed's overflow "
                               "check on (its default), or DDP/FSDP")
-    if args.nonfinite == "skip" and (args.fp16 or uses_loss_scaling(trainer)):
+    if args.nonfinite == "skip" and uses_loss_scaling(trainer):
         raise ConfigError("nonfinite=skip with fp16: fp16's loss scaler already skips steps whose gradients "
                           "overflow; use nonfinite=stop (stops on a non-finite loss), or bf16/fp32 with skip")
 
@@ -182,14 +181,16 @@ class NonFiniteGuard:
                 self.skipper = StepSkipper(trainer.optimizer)
 
     def _local_flags(self, trainer, model) -> torch.Tensor:
-        """[1, 3]: (a micro-batch loss was non-finite, the gradients are non-finite, the first such loss)."""
-        losses = torch.cat(self._losses) if self._losses else torch.zeros(1)
+        """[1, 3] on the device: (a micro-batch loss was non-finite, the gradients are non-finite, the first
+        such loss, else 0). Built without a device sync: the one sync of the check is after the gather."""
+        device = trainer.accelerator.device
+        losses = torch.cat(self._losses).to(device) if self._losses else torch.zeros(1, device=device)
         bad = ~torch.isfinite(losses)
-        first = losses[bad][0].item() if bool(bad.any()) else 0.0
-        return torch.tensor([[float(bad.any()), float(self._gradients_bad(trainer, model)), first]],
-                            device=trainer.accelerator.device)
+        first = torch.where(bad.any(), losses[bad.int().argmax()], torch.zeros((), device=device))
+        grads = torch.as_tensor(self._gradients_bad(trainer, model), device=device)
+        return torch.stack([bad.any().float(), grads.float().reshape(()), first]).reshape(1, 3)
 
-    def _gradients_bad(self, trainer, model) -> bool:
+    def _gradients_bad(self, trainer, model) -> bool | torch.Tensor:
         if uses_loss_scaling(trainer):
             return False  # the scaler skips overflowing steps itself (module docstring)
         if getattr(trainer.accelerator.state, "deepspeed_plugin", None) is not None:
@@ -198,9 +199,9 @@ class NonFiniteGuard:
         if norm is None:  # a Trainer that no longer reports its norm: every local gradient entry instead
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-            return not all(bool(torch.isfinite(g).all()) for g in grads)
+            return ~torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else False
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return not math.isfinite(float(norm))
+        return ~torch.isfinite(torch.as_tensor(norm))
 
     # ---- the verdict --------------------------------------------------------------------------
 
