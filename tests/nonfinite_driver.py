@@ -1,9 +1,10 @@
 """Driver of tests/test_nonfinite.py's multi-process checks: `torchrun --nproc_per_node 2 nonfinite_driver.py
 OUT_DIR CLI_MODEL CLI_DATA [zero]` (gloo, CPU; `zero` adds the DeepSpeed cases, with DS_ACCELERATOR=cpu).
 
-Cases: DDP, FSDP2, the command line, then (with `zero`) DeepSpeed ZeRO-2 and ZeRO-3. Each training case trains a tiny Llama with a fault injected on rank 1 only at optimizer step 2
-(`FAULT_STEP`): a NaN gradient (a backward hook on the embedding output, the loss stays finite) or a NaN
-loss (added to one micro-batch's loss). Each rank writes `OUT_DIR/<case>.rank<r>.json`: the error it
+Cases: DDP, FSDP2, the command line, then (with `zero`) DeepSpeed ZeRO-2 and ZeRO-3. Each training case
+trains a tiny Llama with a fault injected on rank 1 only at optimizer step 2 (`FAULT_STEP`): a NaN
+gradient (a backward hook on the embedding output, the loss stays finite) or a NaN loss (added to one
+micro-batch's loss). Each rank writes `OUT_DIR/<case>.rank<r>.json`: the error it
 raised (if any), whether its weights after the error (or at the end) equal those after step 1, whether
 weights and optimizer state after step 2 equal those after step 1, and the logged `nonfinite_skipped`.
 `prefixdpo train` on the command line gets the same NaN loss on rank 1; the driver exits with its exit

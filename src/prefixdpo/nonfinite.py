@@ -244,7 +244,8 @@ class NonFiniteGuard:
         parts = []
         if loss_ranks:
             value = flags[loss_ranks[0]][2]
-            where = f" on rank{'s' if len(loss_ranks) > 1 else ''} {', '.join(map(str, loss_ranks))}" if world > 1 else ""
+            ranks = f"rank{'s' if len(loss_ranks) > 1 else ''} {', '.join(map(str, loss_ranks))}"
+            where = f" on {ranks}" if world > 1 else ""
             parts.append(f"the loss of a micro-batch was {value}{where}")
         if any(row[1] for row in flags):
             parts.append("the gradient norm was not finite")

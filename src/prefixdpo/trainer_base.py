@@ -9,7 +9,9 @@
 - evaluation weighs every pair equally (Trainer's loop would concatenate logits per batch);
 - logging: pairs (not micro-batches) as samples, the subclass's metric sums reduced over ranks;
 - engines: a requested FSDP applied (also on CPU) or refused (`engines.py`); an export is always a whole
-  model that stock `from_pretrained` loads; `resume_from_checkpoint="latest"`.
+  model that stock `from_pretrained` loads; `resume_from_checkpoint="latest"`;
+- non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
+  which stops or skips a step that is not finite on some rank before it is applied (`nonfinite`).
 
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
 sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table` and `_item_view`.
