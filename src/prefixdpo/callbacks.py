@@ -3,6 +3,7 @@ TR-DPO reference update (`tr_dpo_callback`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -15,15 +16,12 @@ from prefixdpo.checkpoints import last_good_checkpoint
 from prefixdpo.engines import describe_engine
 from prefixdpo.rank_decisions import any_rank
 from prefixdpo.errors import ConfigError, UserError
+from prefixdpo.nonfinite import NonFiniteLossError  # noqa: F401  (raised through here; imported from here by users)
 from prefixdpo.reference import NoReference, SeparateModelReference, is_peft_model
 
 logger = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before killing a job
-
-
-class NonFiniteLossError(UserError):
-    """The loss became NaN/inf; training stopped before the optimizer step that would apply it."""
 
 
 class PreemptionSignals:
@@ -49,8 +47,9 @@ class PreemptionSignals:
 
 
 class PrefixDPOCallback(TrainerCallback):
-    """Re-plans each epoch, keeps throughput free of set-up time, refuses a non-finite step before the
-    optimizer applies it, and turns a preemption signal into a checkpoint and a stop after the optimizer step."""
+    """Re-plans each epoch, keeps throughput free of set-up time, has every optimizer step checked for
+    non-finite values before the optimizer applies it (`nonfinite.NonFiniteGuard`), and turns a preemption
+    signal into a checkpoint and a stop after the optimizer step."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -61,6 +60,7 @@ class PrefixDPOCallback(TrainerCallback):
         # the model is prepared by now: say which engine runs it (and that FSDP really sharded it)
         self.trainer.engine_description = describe_engine(self.trainer.accelerator, model or self.trainer.model)
         logger.info("engine: %s", self.trainer.engine_description)
+        self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
         self.signals.install()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -83,19 +83,13 @@ class PrefixDPOCallback(TrainerCallback):
         if micro is not None:
             micro.set_epoch(math.floor(state.epoch + 1e-9))
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        flag = torch.tensor([float(trainer._nonfinite_loss is not None)], device=args.device)
-        if trainer.accelerator.num_processes > 1:  # every rank decides together
-            flag = trainer.accelerator.reduce(flag, reduction="sum")
-        loss, trainer._nonfinite_loss = trainer._nonfinite_loss, None
-        if flag.item() > 0:
-            last = last_good_checkpoint(args.output_dir, trainer.run_fingerprint)
-            raise NonFiniteLossError(
-                f"loss became {loss if loss is not None else 'NaN/inf on another rank'} (NaN/inf) in optimizer step "
-                f"{state.global_step + 1}; stopped before applying it. Last good checkpoint: "
-                f"{last or 'none saved yet'}. Try a lower learning rate, fp32/bf16 instead of fp16, or check the data."
-            )
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        # The narrowest public hook that sees a whole step before it is applied: Trainer calls it once per
+        # optimizer step, after every micro-batch's backward and the gradient sync, clipping and norm, and
+        # right before `optimizer.step()` (DeepSpeed: after its engine step, which skips non-finite steps).
+        self.trainer.nonfinite.check(self.trainer, model or self.trainer.model, state.global_step + 1,
+                                     functools.partial(last_good_checkpoint, args.output_dir,
+                                                       self.trainer.run_fingerprint))
 
 
 class SyncReferenceCallback(TrainerCallback):

@@ -6,7 +6,7 @@ gradient accumulation, bf16, checkpointing, `report_to`, DDP/FSDP/DeepSpeed) wor
 TRL's DPO defaults where TRL changes them (learning_rate 1e-6, logging_steps 10, gradient checkpointing
 on, bf16 where the device has it). TRL options that prefix sharing makes moot (`padding_free`) are
 accepted and say so in their help. The prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
-`logprob_chunk_size`, `ref_cache_dir`.
+`logprob_chunk_size`, `ref_cache_dir`; so are `nonfinite` and `nonfinite_max_consecutive` (a NaN/inf step).
 
 `parse_train_args(["config.yaml", "--beta", "0.05"])` reads a YAML file and applies command-line
 overrides on top of it, returning the config plus the model and dataset options (`TrainArgumentParser`).
@@ -26,6 +26,7 @@ from transformers import TrainingArguments
 from prefixdpo.attention.backends import BACKENDS
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.losses import LossConfigError
+from prefixdpo.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
 from prefixdpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
 
 ATTENTION_CHOICES = BACKENDS
@@ -171,6 +172,9 @@ class PrefixDPOConfig(TrainingArguments):
     ref_cache_dir: str | None = field(
         default=None, metadata={"help": "Cache of precomputed reference log-probs (default ~/.cache/prefixdpo/ref_logps)."}
     )
+    # ---- a run that survives ----
+    nonfinite: str = field(default="stop", metadata={"help": NONFINITE_HELP, "choices": list(POLICIES)})
+    nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]  # JSON text -> dict
 
@@ -225,6 +229,7 @@ class PrefixDPOConfig(TrainingArguments):
                 raise ConfigError(f"pack_length={self.pack_length!r}: expected 'auto' or a positive integer") from None
             if self.pack_length <= 0:
                 raise ConfigError(f"pack_length={self.pack_length}: must be positive")
+        check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
         if self.logprob_chunk_size < 1:
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
         if self.beta <= 0:

@@ -14,6 +14,8 @@
   state and the run's fingerprint; `resume_from_checkpoint="latest"` takes the newest complete checkpoint of
   this run; an output_dir holding another run is refused; SIGTERM/SIGUSR1 end the optimizer step, save a
   checkpoint and raise `TrainingPreempted`. Every such decision is taken on rank 0 and broadcast.
+- non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
+  which stops or skips a step that is not finite on some rank before it is applied (`nonfinite`).
 
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
 sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_item_view`, and its
@@ -40,6 +42,7 @@ from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_o
 from prefixdpo.errors import TrainingPreempted, UserError
 from prefixdpo.forward import restore_stock_attention, unwrap
 from prefixdpo.rank_decisions import from_rank0
+from prefixdpo.nonfinite import NonFiniteGuard, check_engine_support, poisoned
 from prefixdpo.offloading import activation_offloading_context
 from prefixdpo.training_data import loader_settings, pad_token_id
 
@@ -74,7 +77,7 @@ class PrefixTrainerBase(Trainer):
         self._offload = activation_offloading_context(self.model, self.args.activation_offloading)
         self._metrics = {"train": self._new_metric_sums(), "eval": self._new_metric_sums()}
         self._pairs_trained = 0.0
-        self._nonfinite_loss = None  # a non-finite micro-batch loss of this step (checked by the callback)
+        self.nonfinite = NonFiniteGuard(self.args.nonfinite, self.args.nonfinite_max_consecutive)
         self._train_micro: MicroBatches | None = None
         self.engine_description = "not started"  # set when training begins (`engines.describe_engine`)
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
@@ -85,6 +88,7 @@ class PrefixTrainerBase(Trainer):
         super().create_accelerator_and_postprocess()
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
         refuse_unsupported_engine_options(self)
+        check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -132,7 +136,12 @@ class PrefixTrainerBase(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         with self._offload:  # activation_offloading (TRL's context; a no-op when off)
-            return self._compute_loss(model, inputs, return_outputs)
+            result = self._compute_loss(model, inputs, return_outputs)
+        if return_outputs or not model.training:
+            return result
+        # A non-finite loss makes every gradient it reaches NaN (a finite one is unchanged), so an engine
+        # that checks gradients itself before stepping (DeepSpeed, inside backward) skips this step too.
+        return poisoned(result)
 
     def _step_share(self, inputs) -> float:
         """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring)."""
@@ -140,9 +149,15 @@ class PrefixTrainerBase(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not torch.isfinite(loss):  # PrefixDPOCallback stops before the optimizer applies this step
-            self._nonfinite_loss = float(loss)
+        self.nonfinite.note_loss(loss)  # checked with the gradient norm before the optimizer step
         return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Trainer's norm of this step's gradients (global under DDP/FSDP2), the one it logs; Trainer calls
+        # this right before `on_pre_optimizer_step`, where the non-finite guard reads it.
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self.nonfinite.note_grad_norm(grad_norm)
+        return grad_norm
 
     # ---- evaluation and logging -------------------------------------------------------------
 
@@ -165,13 +180,18 @@ class PrefixTrainerBase(Trainer):
         # Every rank reaches this point together, so the reduce inside `summary` is safe.
         train = self._metrics["train"]
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
-            logs = {**logs, **train.summary(self.accelerator)}
+            logs = {**logs, **train.summary(self.accelerator), **self._nonfinite_logs()}
             self._pairs_trained += train.last_pairs
         if "train_runtime" in logs:  # Trainer counts micro-batches as samples; a sample here is a pair
             train.summary(self.accelerator)
             self._pairs_trained += train.last_pairs
             logs["train_samples_per_second"] = round(self._pairs_trained / max(logs["train_runtime"], 1e-9), 3)
+            logs.update(self._nonfinite_logs())
         super().log(logs, start_time)
+
+    def _nonfinite_logs(self) -> dict[str, int]:
+        """`nonfinite_skipped`: optimizer steps skipped so far in the run (nonfinite=skip)."""
+        return {"nonfinite_skipped": self.nonfinite.skipped} if self.nonfinite.policy == "skip" else {}
 
     def floating_point_ops(self, inputs) -> int:
         # 6 x parameters x real tokens (forward + backward), the usual estimate
@@ -226,7 +246,7 @@ class PrefixTrainerBase(Trainer):
             elif isinstance(path, str):
                 checkpoints.check_resume_path(path, fingerprint)
             state = checkpoints.read_state(path) if isinstance(path, str) else None
-            return path, (state or {}).get("trainer", {}), notes
+            return path, state or {}, notes
 
         resume, state, notes = self._decided_once(decide)
         for note in notes:
@@ -234,7 +254,8 @@ class PrefixTrainerBase(Trainer):
             if self.accelerator.is_main_process:
                 print(f"prefixdpo: {note}", flush=True)
         if isinstance(resume, str):
-            self._restore_checkpoint_state(state)
+            self._restore_checkpoint_state(state.get("trainer", {}))
+            self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         return resume
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -286,7 +307,7 @@ class PrefixTrainerBase(Trainer):
         if self.args.should_save:
             checkpoints.seal_checkpoint(staged, final, {
                 "step": step, "run": self.run_fingerprint, "weights_finite": finite,
-                "trainer": self._checkpoint_state(),
+                "trainer": self._checkpoint_state(), "nonfinite": self.nonfinite.state_dict(),
             })
             shutil.rmtree(staging, ignore_errors=True)
             checkpoints.rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)

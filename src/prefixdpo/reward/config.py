@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 from prefixdpo.attention.backends import BACKENDS
 from prefixdpo.config import DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes
 from prefixdpo.errors import ConfigError
+from prefixdpo.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
 
 
 @dataclass
@@ -82,6 +83,9 @@ class PrefixRewardConfig(TrainingArguments):
     packing: bool = field(default=False, metadata={"help": "Pack several rows per line."})
     pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
     attention: str = field(default="auto", metadata={"help": f"Attention backend: {', '.join(BACKENDS)}."})
+    # ---- a run that survives (as PrefixDPOConfig) ----
+    nonfinite: str = field(default="stop", metadata={"help": NONFINITE_HELP, "choices": list(POLICIES)})
+    nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
 
@@ -100,6 +104,7 @@ class PrefixRewardConfig(TrainingArguments):
         super().__post_init__()
         self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of, self.use_cpu)
         self._check()
+        check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
 
     def _check(self) -> None:
         problems = []
