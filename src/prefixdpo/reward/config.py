@@ -15,7 +15,9 @@ from typing import Any
 from transformers import TrainingArguments
 
 from prefixdpo.attention.backends import BACKENDS
-from prefixdpo.config import DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser
+from prefixdpo.config import (
+    DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, refuse_or_state_options_without_effect,
+)
 from prefixdpo.errors import ConfigError
 
 
@@ -116,6 +118,7 @@ class PrefixRewardConfig(TrainingArguments):
                 problems.append("pack_length: expected 'auto' or a positive integer")
         if problems:
             raise ConfigError("; ".join(problems))
+        refuse_or_state_options_without_effect(self)  # pack_length without packing
 
 
 @dataclass
