@@ -171,19 +171,25 @@ def test_mask_over_the_memory_bound_names_the_record_and_a_max_length_that_fits(
     [
         (["--pack_length", "256"], "pack_length=256 has no effect without packing: add --packing true, or leave "
                                    "pack_length out"),
-        (["--ref_cache_dir", "/tmp/refs"], "ref_cache_dir='/tmp/refs' has no effect without precompute_ref_log_probs: "
-                                           "add --precompute_ref_log_probs true, or leave ref_cache_dir out"),
         (["--simpo_gamma", "1.0"], "simpo_gamma=1.0 has no effect: it is a parameter of loss_type simpo, not of "
                                    "sigmoid"),
         (["--lora_alpha", "32"], "lora_alpha=32 has no effect without LoRA (lora_r=0): set --lora_r, e.g. "
                                  "--lora_r 16, or leave the LoRA options out"),
     ],
-    ids=["pack_length_without_packing", "ref_cache_dir_without_precompute", "simpo_gamma_without_simpo",
+    ids=["pack_length_without_packing", "simpo_gamma_without_simpo",
          "lora_alpha_without_lora_r"],
 )
 def test_our_options_without_effect_are_refused(tmp_path, demo, capsys, options, message):
     data = write_jsonl(tmp_path / "d.jsonl", demo.records[:4])
     assert refused(capsys, tmp_path / "out", ["--model", demo.model, "--dataset", data, *options]) == message
+
+
+def test_row_over_an_explicit_pack_length_is_refused_before_training(tmp_path, demo, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", demo.records[:4])
+    msg = refused(capsys, tmp_path / "out", ["--model", demo.model, "--dataset", data, "--packing", "true",
+                                             "--pack_length", "16"])
+    assert re.fullmatch(r"record 0: its row holds \d+ tokens, more than pack_length=16 \(raise pack_length, or "
+                        r"lower max_length to truncate or drop long records\)", msg), msg
 
 
 def test_reward_refuses_pack_length_without_packing_too(tmp_path, demo, capsys):
@@ -197,17 +203,19 @@ def test_reward_refuses_pack_length_without_packing_too(tmp_path, demo, capsys):
 
 
 def test_trls_options_without_effect_are_stated_not_refused(tmp_path, caplog):
-    """TRL accepts these silently, so a TRL YAML with them must still run: one warning line each."""
+    """TRL accepts these silently, so a TRL YAML with them must still run: one warning line each (also ref_cache_dir,
+    which only names a place and which a base config may set for every run)."""
     from prefixdpo.config import PrefixDPOConfig
 
     with caplog.at_level(logging.WARNING, logger="prefixdpo.config"):
         PrefixDPOConfig(output_dir=str(tmp_path), precompute_ref_batch_size=4, discopop_tau=0.1,
-                        ref_model_sync_steps=8)
+                        ref_model_sync_steps=8, ref_cache_dir=str(tmp_path / "refs"))
         PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["simpo"], precompute_ref_log_probs=True)
         PrefixDPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, precompute_ref_batch_size=4,
                         loss_type=["discopop"], discopop_tau=0.1)
         PrefixDPOConfig(output_dir=str(tmp_path), sync_ref_model=True, ref_model_sync_steps=8)
     assert [r.getMessage() for r in caplog.records] == [
+        "ref_cache_dir has no effect without precompute_ref_log_probs",
         "precompute_ref_batch_size=4 has no effect without precompute_ref_log_probs",
         "discopop_tau=0.1 has no effect: loss_type is not discopop",
         "ref_model_sync_steps=8 has no effect without sync_ref_model",

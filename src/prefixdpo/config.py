@@ -273,7 +273,7 @@ class PrefixDPOConfig(TrainingArguments):
 def refuse_or_state_options_without_effect(config) -> None:
     """Options set to a value that changes nothing in this run. Ours are refused in one line (`ConfigError`):
     the user meant something that would not happen. TRL's are accepted as TRL accepts them, with one warning
-    line each, so a TRL DPO YAML runs unchanged. Fields the config class lacks are skipped (the reward config
+    line each, so a TRL DPO YAML runs unchanged; so is `ref_cache_dir`, which only names a place. Fields the config class lacks are skipped (the reward config
     shares the packing options only)."""
     values = vars(config)
     changed = {f.name for f in fields(config) if f.name in values and values[f.name] != f.default}
@@ -281,9 +281,6 @@ def refuse_or_state_options_without_effect(config) -> None:
         raise ConfigError(f"pack_length={config.pack_length} has no effect without packing: add --packing true, "
                           "or leave pack_length out")
     precompute = values.get("precompute_ref_log_probs", False)
-    if values.get("ref_cache_dir") and not precompute:
-        raise ConfigError(f"ref_cache_dir={config.ref_cache_dir!r} has no effect without precompute_ref_log_probs: "
-                          "add --precompute_ref_log_probs true, or leave ref_cache_dir out")
     if "loss_type" not in values:
         return
     losses = {LOSS_ALIASES.get(name, name) for name in config.loss_types}
@@ -291,7 +288,9 @@ def refuse_or_state_options_without_effect(config) -> None:
         if option in changed and loss not in losses:
             raise ConfigError(f"{option}={values[option]} has no effect: it is a parameter of loss_type {loss}, "
                               f"not of {' '.join(config.loss_type)}")
-    stated = []  # TRL's options: accepted, said once
+    stated = []  # TRL's options, and where a setting only names a place: accepted, said once
+    if values.get("ref_cache_dir") and not precompute:  # a base config may set it for every run
+        stated.append("ref_cache_dir has no effect without precompute_ref_log_probs")
     if values.get("precompute_ref_batch_size") is not None and not precompute:
         stated.append(f"precompute_ref_batch_size={config.precompute_ref_batch_size} has no effect without "
                       "precompute_ref_log_probs")
