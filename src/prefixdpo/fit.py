@@ -179,9 +179,10 @@ def _cgroup_memory_limit() -> int | None:
     return None
 
 
-def memory_bound(device) -> tuple[int, str]:
+def memory_bound(device) -> tuple[int, str] | None:
     """(bytes the mask path of one micro-batch may take, how that was decided): half of one GPU's memory, or
-    half of this machine's RAM (the container's limit where lower) shared by the node's processes.
+    half of this machine's RAM (the container's limit where lower) shared by the node's processes; None
+    where the machine does not say how much memory it has.
 
     Total rather than free memory: every rank of a run must decide the same way, and free memory differs
     from moment to moment and rank to rank. Half: the model, its gradients and activations need the rest.
@@ -190,7 +191,10 @@ def memory_bound(device) -> tuple[int, str]:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return total // 2, f"half of the {_size(total)} of {torch.cuda.get_device_name(device)}"
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
+        return None
     total = min(total, _cgroup_memory_limit() or total)
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     shared = f" shared by {ranks} processes" if ranks > 1 else ""
@@ -217,11 +221,11 @@ def _fitting_max_length(backend: str, budget: int, lines: int, itemsize: int, re
 
 
 def check_mask_memory(examples: Sequence[Example], batches: Batches, *, backend: str, itemsize: int,
-                      bound: tuple[int, str], name: str = "train") -> None:
+                      bound: tuple[int, str] | None, name: str = "train") -> None:
     """Refuse a dataset whose largest micro-batch's attention mask (`mask_bytes`) is over `bound`
     (`memory_bound`), naming the record that makes the longest line (or the pack_length that sets it) and
     what would fit."""
-    if backend not in ("sdpa", "segmented") or not examples:
+    if backend not in ("sdpa", "segmented") or not examples or bound is None:
         return
     budget, budget_text = bound
     line, i = _longest_line(examples, batches)
