@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from prefixdpo.cli import main
 from prefixdpo.data.example import Example
@@ -124,7 +123,8 @@ def test_model_folder_without_tokenizer_names_the_folder_and_what_is_missing(tmp
 def test_model_path_that_does_not_exist_says_so(tmp_path, demo, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", demo.records[:4])
     missing = str(tmp_path / "no-such-model")
-    assert refused(capsys, tmp_path / "out", ["--model", missing, "--dataset", data]) == f"no such model folder: {missing}"
+    msg = refused(capsys, tmp_path / "out", ["--model", missing, "--dataset", data])
+    assert msg == f"no such model folder: {missing}"
 
 
 def test_record_over_the_models_positions_names_it_and_a_max_length(tmp_path, demo, capsys):

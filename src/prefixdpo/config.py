@@ -273,8 +273,8 @@ class PrefixDPOConfig(TrainingArguments):
 def refuse_or_state_options_without_effect(config) -> None:
     """Options set to a value that changes nothing in this run. Ours are refused in one line (`ConfigError`):
     the user meant something that would not happen. TRL's are accepted as TRL accepts them, with one warning
-    line each, so a TRL DPO YAML runs unchanged; so is `ref_cache_dir`, which only names a place. Fields the config class lacks are skipped (the reward config
-    shares the packing options only)."""
+    line each, so a TRL DPO YAML runs unchanged; so is `ref_cache_dir`, which only names a place. Fields the
+    config class lacks are skipped (the reward config shares the packing options only)."""
     values = vars(config)
     changed = {f.name for f in fields(config) if f.name in values and values[f.name] != f.default}
     if "pack_length" in values and str(config.pack_length) != "auto" and not config.packing:
@@ -350,8 +350,9 @@ class ModelArguments:
 
     def __post_init__(self) -> None:
         # LoRA's other options without a rank would be silently ignored: full fine-tuning would run instead
+        lora_options = ("lora_alpha", "lora_dropout", "lora_target_modules")
         unused = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                  if f.name in ("lora_alpha", "lora_dropout", "lora_target_modules") and getattr(self, f.name) != f.default]
+                  if f.name in lora_options and getattr(self, f.name) != f.default]
         if unused and self.lora_r <= 0:
             raise ConfigError(f"{', '.join(unused)} has no effect without LoRA (lora_r={self.lora_r}): set "
                               "--lora_r, e.g. --lora_r 16, or leave the LoRA options out")

@@ -13,7 +13,7 @@ records) and a `max_length` that fits:
   limit is not checked.
 - **memory of the attention mask.** `sdpa` builds a dense bool mask `[B, 1, L, L]` per micro-batch of B
   lines of L tokens; `segmented` builds `[S, 1, Lq, Lk]` masks over its segments; `flex` (a BlockMask of
-  `[B, H, L/128, L/128]`) and `varlen` (no mask) have no tensor quadratic in the line. The estimate of the
+  `[B, 1, L/128, L/128]` blocks) and `varlen` (no mask) have no tensor quadratic in the line. The estimate of the
   largest micro-batch's mask path (`mask_bytes`) must stay within half the memory of the device (a CPU's
   RAM shared by the processes of this node, or one GPU's memory; `memory_bound`): a 1,000,000-character
   prompt otherwise asks for tens of GB at its first forward.

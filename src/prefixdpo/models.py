@@ -124,8 +124,9 @@ def load_tokenizer(name_or_path, *, trust_remote_code: bool = False, revision: s
         folder = Path(str(name_or_path)).expanduser()
         if not folder.is_dir():
             raise  # a hub name: transformers' own error says what failed (an OSError is one line at the CLI)
-        raise UserError(f"{name_or_path}: no tokenizer can be loaded from this folder ({_tokenizer_problem(folder, err)}); "
-                        "save the model's tokenizer into it with tokenizer.save_pretrained") from None
+        problem = _tokenizer_problem(folder, err)
+        raise UserError(f"{name_or_path}: no tokenizer can be loaded from this folder ({problem}); save the model's "
+                        "tokenizer into it with tokenizer.save_pretrained") from None
 
 
 def _tokenizer_problem(folder: Path, err: Exception) -> str:

@@ -68,7 +68,8 @@ def read_json_records(path: str | Path, *, first_index: int = 0, where: str = ""
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            records.append(InvalidRecordError(index, NOT_UTF8, f"{where}line {line_no} is not valid UTF-8 (byte {err.start})"))
+            problem = f"{where}line {line_no} is not valid UTF-8 (byte {err.start})"
+            records.append(InvalidRecordError(index, NOT_UTF8, problem))
             continue
         try:
             records.append(json.loads(text))
