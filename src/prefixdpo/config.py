@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
@@ -239,6 +240,7 @@ class PrefixDPOConfig(TrainingArguments):
             raise ConfigError(f"train_sampling_strategy={self.train_sampling_strategy!r}: prefixdpo supports "
                               "'random' (a seeded shuffle per epoch) and 'sequential' (file order); --packing "
                               "groups rows by length")
+        refuse_or_state_options_without_effect(self)
 
     # ---- derived ----
     @property
@@ -293,6 +295,42 @@ def join_cpu_processes(args) -> None:
         args.ddp_backend = args.ddp_backend or "gloo"
 
 
+def refuse_or_state_options_without_effect(config) -> None:
+    """Options set to a value that changes nothing in this run. Ours are refused in one line (`ConfigError`):
+    the user meant something that would not happen. TRL's are accepted as TRL accepts them, with one warning
+    line each, so a TRL DPO YAML runs unchanged; so is `ref_cache_dir`, which only names a place. Fields the
+    config class lacks are skipped (the reward config shares the packing options only)."""
+    values = vars(config)
+    changed = {f.name for f in fields(config) if f.name in values and values[f.name] != f.default}
+    if "pack_length" in values and str(config.pack_length) != "auto" and not config.packing:
+        raise ConfigError(f"pack_length={config.pack_length} has no effect without packing: add --packing true, "
+                          "or leave pack_length out")
+    precompute = values.get("precompute_ref_log_probs", False)
+    if "loss_type" not in values:
+        return
+    losses = {LOSS_ALIASES.get(name, name) for name in config.loss_types}
+    for option, loss in (("simpo_gamma", "simpo"), ("orpo_alpha", "orpo")):
+        if option in changed and loss not in losses:
+            raise ConfigError(f"{option}={values[option]} has no effect: it is a parameter of loss_type {loss}, "
+                              f"not of {' '.join(config.loss_type)}")
+    stated = []  # TRL's options, and where a setting only names a place: accepted, said once
+    if values.get("ref_cache_dir") and not precompute:  # a base config may set it for every run
+        stated.append("ref_cache_dir has no effect without precompute_ref_log_probs")
+    if values.get("precompute_ref_batch_size") is not None and not precompute:
+        stated.append(f"precompute_ref_batch_size={config.precompute_ref_batch_size} has no effect without "
+                      "precompute_ref_log_probs")
+    if precompute and not config.needs_reference:
+        stated.append(f"precompute_ref_log_probs has no effect: loss_type {' '.join(config.loss_type)} uses no "
+                      "reference model")
+    if "discopop_tau" in changed and "discopop" not in losses:
+        stated.append(f"discopop_tau={config.discopop_tau} has no effect: loss_type is not discopop")
+    for option in ("ref_model_mixup_alpha", "ref_model_sync_steps"):
+        if option in changed and not config.sync_ref_model:
+            stated.append(f"{option}={values[option]} has no effect without sync_ref_model")
+    for line in stated:
+        logging.getLogger(__name__).warning("%s", line)
+
+
 def _device_has_bf16(use_cpu: bool) -> bool:
     """Whether the training device computes in bf16 natively (never the CPU: ATen emulates it there, slowly)."""
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -334,6 +372,15 @@ class ModelArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt (default: all linear)."})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA (CUDA + bitsandbytes only)."})
+
+    def __post_init__(self) -> None:
+        # LoRA's other options without a rank would be silently ignored: full fine-tuning would run instead
+        lora_options = ("lora_alpha", "lora_dropout", "lora_target_modules")
+        unused = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                  if f.name in lora_options and getattr(self, f.name) != f.default]
+        if unused and self.lora_r <= 0:
+            raise ConfigError(f"{', '.join(unused)} has no effect without LoRA (lora_r={self.lora_r}): set "
+                              "--lora_r, e.g. --lora_r 16, or leave the LoRA options out")
 
     def peft_config(self):
         """A `peft.LoraConfig` when lora_r > 0, else None."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 
 import torch
 
-from prefixdpo.errors import ConfigError
+from prefixdpo.errors import ConfigError, UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,13 +90,49 @@ def load_causal_lm(
         )
     if from_config:
         return AutoModelForCausalLM.from_config(copy.deepcopy(name_or_path), **kwargs)
+    check_local_path(name_or_path)
     return AutoModelForCausalLM.from_pretrained(str(name_or_path), **{**kwargs, **extra})
+
+
+_LOCAL_HINTS = ("/", "./", "../", "~")
+
+
+def check_local_path(name_or_path) -> None:
+    """A name written as a path (`./m`, `/m`, `~/m`, `../m`) that does not exist is a `UserError` saying so,
+    not a hub look-up that fails with transformers' message about repository ids."""
+    name = str(name_or_path)
+    if name.startswith(_LOCAL_HINTS) and not Path(name).expanduser().exists():
+        raise UserError(f"no such model folder: {name}")
+
+
+# Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken): a folder with none
+# of them has no tokenizer, whatever its tokenizer_config.json says.
+_VOCABULARY_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken", "vocab.*")
 
 
 def load_tokenizer(name_or_path, *, trust_remote_code: bool = False, revision: str | None = None):
     """The tokenizer saved with a model (hub name or local path); `revision` as the model's (TRL takes it from
-    `model_init_kwargs`)."""
+    `model_init_kwargs`). A local folder it cannot be loaded from is a `UserError` naming the folder and what
+    is missing (a model saved without `tokenizer.save_pretrained`)."""
     from transformers import AutoTokenizer
 
+    check_local_path(name_or_path)
     kwargs = {"revision": revision} if revision is not None else {}
-    return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **kwargs)
+    except (ValueError, OSError) as err:
+        folder = Path(str(name_or_path)).expanduser()
+        if not folder.is_dir():
+            raise  # a hub name: transformers' own error says what failed (an OSError is one line at the CLI)
+        problem = _tokenizer_problem(folder, err)
+        raise UserError(f"{name_or_path}: no tokenizer can be loaded from this folder ({problem}); save the model's "
+                        "tokenizer into it with tokenizer.save_pretrained") from None
+
+
+def _tokenizer_problem(folder: Path, err: Exception) -> str:
+    """What is wrong with a model folder's tokenizer, in a few words."""
+    if not any(any(folder.glob(pattern)) for pattern in _VOCABULARY_FILES):
+        has_config = (folder / "tokenizer_config.json").is_file()
+        return ("tokenizer_config.json but " if has_config else "") + "no vocabulary file: none of tokenizer.json, " \
+            "tokenizer.model, vocab.json + merges.txt, vocab.txt"
+    return " ".join(str(err).split()) or type(err).__name__

@@ -22,6 +22,7 @@ from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, tr_dpo_ca
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.engines import prepare_reference_for_engine
+from prefixdpo.fit import check_run_fits
 from prefixdpo.forward import resolve_router_aux_loss_coef, zero_weight_loss
 from prefixdpo.metrics import MetricSums
 from prefixdpo.model_setup import prepare_policy, prepare_reference
@@ -54,6 +55,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         self._data_options = data_options or default_data_options(args)
         self.data_reports: dict = {}
         train_examples, eval_examples = self._examples_of(train_dataset, eval_dataset, processing_class)
+        check_run_fits(model, args, self.backend, train_examples, eval_examples)  # before any work (fit.py)
 
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,

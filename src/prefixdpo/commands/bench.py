@@ -163,6 +163,10 @@ def run(args) -> int:
                                                 seed=args.seed, trust_remote_code=args.trust_remote_code)
         stepper = DPOStep(policy, reference, backend=backend)
     workloads = _workloads(args, settings, shape.vocab)
+    if args.dataset:  # a record over the model's positions: one line, before the first step
+        from prefixdpo.fit import check_positions
+
+        check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
     steps = sum(len(w.groups) for w in workloads) * (settings["warmup"] + settings["repeats"]) * len(MODES)

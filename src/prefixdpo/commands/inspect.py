@@ -93,7 +93,8 @@ def run(args) -> int:
     from prefixdpo.data.stats import compute_stats
 
     # The same dataclasses and `data_options` as train, so validation, defaults and preparation are train's.
-    config = PrefixDPOConfig(**{name: getattr(args, name) for name in args.config_fields})
+    # packing=True: inspect always reports the packed figure, so its pack_length has an effect
+    config = PrefixDPOConfig(packing=True, **{name: getattr(args, name) for name in args.config_fields})
     data = DataArguments(dataset_name=args.dataset, **{name: getattr(args, name) for name in args.data_fields})
     options = data_options(config, data)
     from prefixdpo.models import load_tokenizer

@@ -92,6 +92,7 @@ def _examples(tokenizer, text_file: str | None):
 
 def run(args) -> int:
     import torch
+    from prefixdpo.fit import check_positions
     from prefixdpo.forward import check_model_supported, text_config
     from prefixdpo.logprobs import UnsupportedModelError
     from prefixdpo.verify import compare, stock_implementation
@@ -116,6 +117,7 @@ def run(args) -> int:
         model = load_causal_lm(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
     model.train(False)  # dropout off: both sides must compute the same function
     examples = _examples(tokenizer, args.text_file)
+    check_positions(model, examples, args.text_file or "built-in")  # a line over the model's positions: one line
     n = len(examples)
     pad_multiple = 128 if args.attention == "flex" else 1
     cases = [  # (name, packs, prefix_sharing)

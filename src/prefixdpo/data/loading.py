@@ -7,7 +7,16 @@ i-th row of the split, so every later message can name it.
   through Arrow: Arrow would coerce types across records, turn a missing field into None and fail the whole
   file on one bad line. Here a bad line becomes an `InvalidRecordError` for that record index (bad JSON,
   invalid UTF-8), which the error/skip policy then handles.
-- `.parquet` / `.csv` files and directories of such files: `datasets.load_dataset(<builder>, data_files=...)`.
+- `.parquet` / `.csv` / `.arrow` files: `datasets.load_dataset(<builder>, data_files=...)`; a file it cannot
+  read is a `UserError` naming the file and the reader's reason (a CSV row with extra fields names its line).
+- A folder of data files, split by file name as `datasets.load_dataset(folder)` splits it (`train*.jsonl`,
+  `test*.jsonl`, ...; everything in `train` when no name says a split). Its files must be of one type, as
+  `datasets` reads a folder with one builder: a folder of `a.jsonl` and `b.csv` would be read as JSON with
+  the CSV silently left out, so it is refused, naming every type and its files. Why refuse rather than read
+  both: `datasets` has no cross-type folder, CSV columns cannot hold conversations, and record numbers over
+  mixed readers would name nothing a user can find. JSON(L) folders are read by the same reader as a JSON(L)
+  file, the files of a split one after another (record numbers run on across them), and a bad line names its
+  file and line (`record 19: a.jsonl line 20 is not valid JSON`).
 - A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`: `datasets.load_from_disk`.
 - `datasets.Dataset`, `datasets.DatasetDict`, or a list of dicts: used as they are.
 - Any other string: a Hub dataset name, `datasets.load_dataset(name, dataset_config, split=split)`.
@@ -32,9 +41,13 @@ _BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "j
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
 
 
-def read_json_records(path: str | Path) -> list:
+def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "") -> list:
     """Records of a JSON Lines file (or a JSON file holding one list). A line that is not valid UTF-8 or not
-    valid JSON becomes an `InvalidRecordError` in its place, so record numbering never shifts."""
+    valid JSON becomes an `InvalidRecordError` in its place, so record numbering never shifts.
+
+    first_index: the record number of this file's first record (a folder's files are numbered on).
+    where: put before "line N" in a bad line's message (a folder's file name, so the message names the file).
+    """
     data = Path(path).read_bytes()
     head = data.lstrip()[:1]
     if head == b"[":  # one JSON array: all or nothing, as the format gives no line to blame
@@ -51,16 +64,17 @@ def read_json_records(path: str | Path) -> list:
     for line_no, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue  # blank lines are not records
-        index = len(records)
+        index = first_index + len(records)
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            records.append(InvalidRecordError(index, NOT_UTF8, f"line {line_no} is not valid UTF-8 (byte {err.start})"))
+            problem = f"{where}line {line_no} is not valid UTF-8 (byte {err.start})"
+            records.append(InvalidRecordError(index, NOT_UTF8, problem))
             continue
         try:
             records.append(json.loads(text))
         except json.JSONDecodeError as err:
-            records.append(InvalidRecordError(index, BAD_JSON, f"line {line_no} is not valid JSON ({err.msg})"))
+            records.append(InvalidRecordError(index, BAD_JSON, f"{where}line {line_no} is not valid JSON ({err.msg})"))
     return records
 
 
@@ -99,7 +113,7 @@ def _load_path(path: Path, split: str | None):
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return _pick_split(datasets.load_from_disk(str(path)), split, str(path))
-        return _pick_split(datasets.load_dataset(str(path)), split, str(path))  # a folder of data files
+        return _load_folder(path, split)
     suffix = path.suffix.lower()
     if split not in (None, "train"):
         raise UserError(f"{path}: a single file has only the split 'train', not {split!r}")
@@ -107,7 +121,104 @@ def _load_path(path: Path, split: str | None):
         return read_json_records(path)
     if suffix not in _BUILDERS:
         raise UserError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
-    return datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split="train")
+    return _read_with_builder(_BUILDERS[suffix], {"train": [str(path)]})["train"]
+
+
+def _folder_files(folder: Path) -> dict[str, list[str]]:
+    """{split: data files} of a folder, by `datasets`' own rules (file names that say a split; hidden files,
+    the README and files of no data type left out), in the order `datasets.load_dataset(folder)` reads them."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    from datasets.load import _ALL_ALLOWED_EXTENSIONS  # the extensions load_dataset(folder) looks at
+
+    base = folder.expanduser().resolve().as_posix()
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base,
+                                            allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
+    except FileNotFoundError:  # datasets' EmptyDatasetError: no data file at all
+        files = {}
+    return {str(name): [str(f) for f in found] for name, found in files.items() if found}
+
+
+def _reader(path: str) -> str:
+    """The `datasets` builder that reads `path` ("json", "csv", "parquet", "arrow"), else its extension."""
+    suffix = Path(path).suffix.lower()
+    return _BUILDERS.get(suffix, suffix)
+
+
+def _one_reader(folder: Path, files: dict[str, list[str]]) -> str:
+    """The one reader of the folder's data files; a `UserError` naming every type and its files when they
+    need several, or one prefixdpo does not read (.txt, .tsv, images, ...)."""
+    by_reader: dict[str, list[str]] = {}
+    for found in files.values():
+        for f in found:
+            by_reader.setdefault(_reader(f), []).append(Path(f).relative_to(folder.resolve()).as_posix())
+    if not by_reader:
+        raise UserError(f"{folder}: no data files in this folder (expected .jsonl, .json, .parquet, .csv or .arrow)")
+    listing = "; ".join(f"{kind}: {_some(names)}" for kind, names in sorted(by_reader.items()))
+    if len(by_reader) > 1:
+        raise UserError(f"{folder}: holds data files of {len(by_reader)} types ({listing}); a dataset folder is "
+                        "read with one reader, so keep one type in it or give one file as the dataset")
+    (reader,) = by_reader
+    if reader not in _BUILDERS.values():
+        raise UserError(f"{folder}: its data files ({listing}) are not a type prefixdpo reads "
+                        "(expected .jsonl, .json, .parquet, .csv or .arrow)")
+    return reader
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(sorted(names)[:shown]) + more
+
+
+def _load_folder(folder: Path, split: str | None):
+    """The records of one split of a folder of data files (module docstring)."""
+    files = _folder_files(folder)
+    reader = _one_reader(folder, files)
+    split = split or "train"
+    if split not in files:
+        raise UserError(f"{folder}: no split {split!r} (available: {', '.join(files)})")
+    if reader != "json":
+        return _read_with_builder(reader, {split: files[split]})[split]
+    records: list = []
+    for f in files[split]:
+        name = Path(f).relative_to(folder.resolve()).as_posix()
+        records += read_json_records(f, first_index=len(records), where=f"{name} ")
+    return records
+
+
+def _read_with_builder(builder: str, files: dict[str, list[str]]):
+    """`datasets.load_dataset(builder, data_files=files)`; a file the reader cannot read is a `UserError`
+    naming it and the reader's reason (found by reading the files one at a time)."""
+    import datasets
+
+    read_errors = _read_errors()
+    try:
+        return datasets.load_dataset(builder, data_files=files)
+    except read_errors as err:
+        failed = err
+    paths = [f for found in files.values() for f in found]
+    for f in paths if len(paths) > 1 else ():  # which file: read them one at a time
+        try:
+            datasets.load_dataset(builder, data_files=f)
+        except read_errors as err:
+            failed, paths = err, [f]
+            break
+    raise UserError(f"{', '.join(paths)}: cannot be read as {builder} ({_reason(failed)})") from None
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of what the reader said: the root cause (pandas, pyarrow) rather than datasets' wrapper."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    from datasets.exceptions import DatasetGenerationError
+    from pyarrow import ArrowException
+
+    return (DatasetGenerationError, ArrowException)
 
 
 def load_records(

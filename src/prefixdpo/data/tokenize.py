@@ -85,12 +85,18 @@ def tokenize_records(
     (the caller applies the error/skip policy).
     """
     if any(r.kind == "chat" for r in records) and not getattr(tokenizer, "chat_template", None):
-        raise UserError("the data is conversational but the tokenizer has no chat template (set tokenizer.chat_template)")
+        raise UserError("the data is conversational but the tokenizer has no chat template: add a chat_template.jinja "
+                        "to the tokenizer's folder (or set tokenizer.chat_template in Python)")
     eos = None
     if add_eos and any(r.kind == "text" for r in records):
         eos = tokenizer.eos_token
         if eos is None:
-            raise UserError("add_eos=True but the tokenizer has no eos_token (set one, or pass add_eos=False)")
+            # Advice names only what exists: the tokenizer's own setting, `prefixdpo reward --eos_token`, and
+            # the Python API's DataOptions(add_eos=False); `prefixdpo train` has no option for it (TRL has none).
+            raise UserError("the tokenizer has no eos_token to end each text response with (as TRL does): set "
+                            "eos_token in its tokenizer_config.json (prefixdpo reward: --eos_token), give the data "
+                            "as conversations (the chat template ends each turn), or in Python pass "
+                            "DataOptions(add_eos=False)")
 
     rendered: list[list[str] | InvalidRecordError] = []
     for record in records:

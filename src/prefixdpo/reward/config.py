@@ -15,7 +15,10 @@ from typing import Any
 from transformers import TrainingArguments
 
 from prefixdpo.attention.backends import BACKENDS
-from prefixdpo.config import DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes
+from prefixdpo.config import (
+    DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes,
+    refuse_or_state_options_without_effect,
+)
 from prefixdpo.errors import ConfigError
 from prefixdpo.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
 
@@ -128,6 +131,7 @@ class PrefixRewardConfig(TrainingArguments):
                 problems.append("pack_length: expected 'auto' or a positive integer")
         if problems:
             raise ConfigError("; ".join(problems))
+        refuse_or_state_options_without_effect(self)  # pack_length without packing
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 
 from prefixdpo.callbacks import PrefixDPOCallback
 from prefixdpo.data.loader import MicroBatches
+from prefixdpo.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import pair_margins, reward_examples
 from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_reward_losses
@@ -61,6 +62,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         self._data_options = data_options or reward_data_options(args)
         self.data_reports: dict = {}
         train, evals = self._examples_of(train_dataset, eval_dataset, processing_class)
+        check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
         self.add_callback(PrefixDPOCallback(self))
