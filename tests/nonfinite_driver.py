@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import make_examples, tiny_model  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from prefixdpo.config import PrefixDPOConfig  # noqa: E402
-from prefixdpo.forward import unwrap  # noqa: E402
-from prefixdpo.nonfinite import NonFiniteLossError  # noqa: E402
-from prefixdpo.trainer import PrefixDPOTrainer  # noqa: E402
+from prefixdpo.dpo.config import PrefixDPOConfig  # noqa: E402
+from prefixdpo.core.forward import unwrap  # noqa: E402
+from prefixdpo.training.nonfinite import NonFiniteLossError  # noqa: E402
+from prefixdpo.dpo.trainer import PrefixDPOTrainer  # noqa: E402
 
 FAULT_STEP, FAULT_RANK = 2, 1
 RANK = int(os.environ.get("RANK", "0"))

@@ -25,10 +25,10 @@ import safetensors.torch  # noqa: E402
 import transformers.modeling_utils  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
-from prefixdpo import checkpoints  # noqa: E402
+from prefixdpo.training import checkpoints  # noqa: E402
 from prefixdpo import atomic_io  # noqa: E402
 from prefixdpo.cli import main  # noqa: E402
-from prefixdpo.trainer_base import PrefixTrainerBase  # noqa: E402
+from prefixdpo.training.base import PrefixTrainerBase  # noqa: E402
 
 MAX_STEPS = 12
 SAVE_STEPS = 3

@@ -78,7 +78,7 @@ def test_reports_survive_a_writer_that_fails_halfway(tmp_path, monkeypatch):
 def test_a_drawing_survives_a_savefig_that_fails_halfway(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from prefixdpo.attention.draw import draw_mask
+    from prefixdpo.core.attention.draw import draw_mask
     from prefixdpo.data.batch import build_batch
 
     batch = build_batch(random_examples(), prefix_sharing=True, packs=[[0, 1, 2]], length=64)
@@ -97,8 +97,8 @@ def test_a_drawing_survives_a_savefig_that_fails_halfway(tmp_path, monkeypatch):
 
 
 def test_the_exported_config_survives_a_rewrite_that_fails_halfway(tmp_path, monkeypatch):
-    from prefixdpo.attention.backends import ATTENTION_NAME
-    from prefixdpo.forward import restore_stock_attention
+    from prefixdpo.core.attention.backends import ATTENTION_NAME
+    from prefixdpo.core.model_checks import restore_stock_attention
 
     saved = json.dumps({"_attn_implementation": ATTENTION_NAME, "hidden_size": 32, "notes": "n" * 500})
     (tmp_path / "config.json").write_text(saved)
@@ -116,7 +116,7 @@ def _files(folder):
 
 def test_a_demo_build_that_fails_midway_leaves_no_half_folder(tmp_path, monkeypatch):
     import prefixdpo.demo as demo
-    from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.dpo.config import PrefixDPOConfig
 
     spec = demo.DemoSpec(num_train=40, num_eval=8, vocab_size=300, hidden_size=32, intermediate_size=64)
     real_write = demo.write_jsonl

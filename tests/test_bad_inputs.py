@@ -2,7 +2,7 @@
 output_dir untouched (not created when absent; byte for byte the same when it holds another run).
 
 Each case runs the real command line in-process (`prefixdpo.cli.main`) on a small model built locally
-(`prefixdpo.demo`, no downloads). Then the fit check (`prefixdpo.fit`) on its own: a row exactly at the
+(`prefixdpo.demo`, no downloads). Then the fit check (`prefixdpo.core.fit`) on its own: a row exactly at the
 model's positions passes, one token over is refused naming the record; rope scaling and sliding windows; the
 mask-memory estimate against the measured bound. Last, every `--option` that an error message of
 prefixdpo advises is a real option of a prefixdpo command.
@@ -96,7 +96,7 @@ def test_bad_line_in_a_folder_names_the_file_and_line_and_numbers_records_across
 def test_folder_with_a_bad_line_skips_it_with_invalid_skip(tmp_path, demo):
     """The same reader as a single file: `--invalid skip` counts the bad line instead of failing."""
     from prefixdpo.data.prepare import DataOptions, prepare_examples
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.core.models import load_tokenizer
 
     write_jsonl(tmp_path / "data" / "a.jsonl", demo.records[:3])
     (tmp_path / "data" / "b.jsonl").write_text("{oops\n" + json.dumps(demo.records[3]) + "\n")
@@ -139,9 +139,9 @@ def test_record_over_the_models_positions_names_it_and_a_max_length(tmp_path, de
 def test_mask_over_the_memory_bound_names_the_record_and_a_max_length_that_fits(tmp_path, demo, capsys, monkeypatch):
     """The machine's memory is injected as a 64 MiB container limit: the dense masks of two ~3200-token lines
     (~100 MiB) are over half of it. The model has 8192 positions, so only memory can refuse them."""
-    import prefixdpo.fit
+    import prefixdpo.core.fit
 
-    monkeypatch.setattr(prefixdpo.fit, "_cgroup_memory_limit", lambda: 64 * 2**20)
+    monkeypatch.setattr(prefixdpo.core.fit, "_cgroup_memory_limit", lambda: 64 * 2**20)
     long = dict(demo.records[1], prompt=WORDS * 200)
     data = write_jsonl(tmp_path / "d.jsonl", [demo.records[0], long])
     argv = ["--model", demo.long_model, "--dataset", data, "--max_length", "none", "--attention", "sdpa"]
@@ -155,14 +155,14 @@ def test_mask_over_the_memory_bound_names_the_record_and_a_max_length_that_fits(
     assert 3000 < line < 4000 and int(match[2]) == round(2 * line * line * 5 / 2**20)
     # the advice is enough and not much too strict: the worst row at that max_length (a one-token prompt and two
     # responses of max_length - 1: a line of 2 x max_length - 1) passes the check, the worst at max_length + 2 fails
-    from prefixdpo.fit import Batches, check_mask_memory, memory_bound
+    from prefixdpo.core.fit import Batches, check_mask_memory, memory_bound
 
     def worst(length: int) -> Example:
         return Example((1,), ((5,) * (length - 1), (6,) * (length - 1)), source_index=7)
 
     batches, bound = Batches("training", "per_device_train_batch_size", 8), memory_bound("cpu")
     check_mask_memory([worst(max_length)] * 2, batches, backend="sdpa", itemsize=4, bound=bound)
-    with pytest.raises(prefixdpo.fit.DataDoesNotFitError, match="^record 7 makes a line of"):
+    with pytest.raises(prefixdpo.core.fit.DataDoesNotFitError, match="^record 7 makes a line of"):
         check_mask_memory([worst(max_length + 2)] * 2, batches, backend="sdpa", itemsize=4, bound=bound)
 
 
@@ -205,9 +205,9 @@ def test_reward_refuses_pack_length_without_packing_too(tmp_path, demo, capsys):
 def test_trls_options_without_effect_are_stated_not_refused(tmp_path, caplog):
     """TRL accepts these silently, so a TRL YAML with them must still run: one warning line each (also ref_cache_dir,
     which only names a place and which a base config may set for every run)."""
-    from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.dpo.config import PrefixDPOConfig
 
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.config"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.config"):
         PrefixDPOConfig(output_dir=str(tmp_path), precompute_ref_batch_size=4, discopop_tau=0.1,
                         ref_model_sync_steps=8, ref_cache_dir=str(tmp_path / "refs"))
         PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["simpo"], precompute_ref_log_probs=True)
@@ -259,7 +259,7 @@ def _example(prompt: int, *responses: int, index: int = 0) -> Example:
 def test_a_row_exactly_at_max_position_embeddings_passes_one_over_fails():
     from conftest import tiny_model
 
-    from prefixdpo.fit import DataDoesNotFitError, check_positions
+    from prefixdpo.core.fit import DataDoesNotFitError, check_positions
 
     model = tiny_model("llama", max_position_embeddings=16)
     # positions restart after the prompt: a shared row of 6 + 10 + 9 = 25 tokens only reaches position 15
@@ -273,7 +273,7 @@ def test_a_row_exactly_at_max_position_embeddings_passes_one_over_fails():
 def test_sliding_window_is_checked_for_the_whole_dataset():
     from conftest import tiny_model
 
-    from prefixdpo.fit import DataDoesNotFitError, check_positions
+    from prefixdpo.core.fit import DataDoesNotFitError, check_positions
 
     model = tiny_model("mistral", sliding_window=8)  # 512 positions
     check_positions(model, [_example(4, 4, 2)])
@@ -306,7 +306,7 @@ def test_sliding_window_is_checked_for_the_whole_dataset():
 def test_position_limit_follows_rope_scaling(config, limit):
     from transformers import LlamaConfig
 
-    from prefixdpo.fit import position_limit
+    from prefixdpo.core.fit import position_limit
 
     assert position_limit(SimpleNamespace(config=LlamaConfig(**config))) == limit
 
@@ -314,7 +314,7 @@ def test_position_limit_follows_rope_scaling(config, limit):
 def test_position_limit_of_other_configs():
     from transformers import Gemma3TextConfig, GPT2Config
 
-    from prefixdpo.fit import position_limit
+    from prefixdpo.core.fit import position_limit
 
     assert position_limit(SimpleNamespace(config=GPT2Config(n_positions=300))) == 300  # learned positions
     assert position_limit(SimpleNamespace(config=Gemma3TextConfig(max_position_embeddings=1000))) == 1000  # per-type
@@ -326,8 +326,8 @@ def test_position_limit_of_other_configs():
 def test_mask_estimate_matches_the_backend_and_the_bound_is_half_the_memory(monkeypatch):
     import os
 
-    import prefixdpo.fit
-    from prefixdpo.fit import mask_bytes, memory_bound
+    import prefixdpo.core.fit
+    from prefixdpo.core.fit import mask_bytes, memory_bound
 
     L = 1000
     assert mask_bytes("sdpa", 2, L, 300, itemsize=4) == 2 * L * L * 5  # bool mask + fp32 copy in SDPA
@@ -335,7 +335,7 @@ def test_mask_estimate_matches_the_backend_and_the_bound_is_half_the_memory(monk
     assert mask_bytes("segmented", 2, L, 300, itemsize=4) == int(1.25 * 2 * 300 * L) * 5
     assert mask_bytes("flex", 2, L, 300, 4) == mask_bytes("varlen", 2, L, 300, 4) == 0
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    monkeypatch.setattr(prefixdpo.fit, "_cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(prefixdpo.core.fit, "_cgroup_memory_limit", lambda: None)
     assert memory_bound("cpu")[0] == total // 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the machine's memory
     assert memory_bound("cpu") == (total // 4, f"half of this machine's {total / 2**30:.1f} GiB of memory shared "
@@ -343,7 +343,7 @@ def test_mask_estimate_matches_the_backend_and_the_bound_is_half_the_memory(monk
 
 
 def test_packed_lines_over_the_bound_name_the_pack_length_and_suggest_segmented_where_it_fits():
-    from prefixdpo.fit import Batches, DataDoesNotFitError, check_mask_memory, mask_bytes
+    from prefixdpo.core.fit import Batches, DataDoesNotFitError, check_mask_memory, mask_bytes
 
     short = [_example(30, 10, 10, index=i) for i in range(64)]  # rows of 50 tokens, sequences of 40
     packed = Batches("training", "per_device_train_batch_size", 2, packing=True, pack_length=4096)
@@ -360,7 +360,7 @@ def test_packed_lines_over_the_bound_name_the_pack_length_and_suggest_segmented_
 
 
 def test_packed_and_unpacked_longest_lines():
-    from prefixdpo.fit import Batches, _longest_line
+    from prefixdpo.core.fit import Batches, _longest_line
 
     exs = [_example(10, 5, 5, index=0), _example(50, 30, 20, index=1), _example(5, 2, 2, index=2)]
     assert _longest_line(exs, Batches("t", "b", 4, pad_multiple=8)) == (104, 1)  # 100 rounded up to 8
@@ -375,7 +375,7 @@ def test_packed_and_unpacked_longest_lines():
 def command_options() -> set[str]:
     """Every option of every prefixdpo command, as `--name` with underscores."""
     from prefixdpo.cli import build_parser
-    from prefixdpo.config import TrainArgumentParser
+    from prefixdpo.dpo.config import TrainArgumentParser
     from prefixdpo.reward.config import reward_argument_parser
 
     parsers = [TrainArgumentParser(), reward_argument_parser()]

@@ -13,9 +13,10 @@ from conftest import tiny_model
 from prefixdpo.bench.modes import MODES, bucket_length, common_pack_length, layout_group
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import fixed_groups, synthetic_workload
-from prefixdpo.forward import compute_response_logps, prepare_model
-from prefixdpo.losses import sigmoid_loss
-from prefixdpo.verify import separate_pass_logps
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.dpo.losses import sigmoid_loss
+from prefixdpo.core.verify import separate_pass_logps
 
 BETA = 0.1
 
@@ -210,7 +211,7 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
     [prompt][response] sequences per example (the best 3 times), the shared modes 1 row with the 4
     responses once; every mode's per-pair DPO losses equal stock separate passes (fp32, atol 1e-5)."""
     from prefixdpo.bench.modes import standard_examples
-    from prefixdpo.flops import ModelShape, ideal_speedup, shared_flop_count, standard_flop_count
+    from prefixdpo.bench.flops import ModelShape, ideal_speedup, shared_flop_count, standard_flop_count
 
     w = synthetic_workload("ultrafeedback-k4", 4, 2, vocab_size=96, seed=2, length_scale=0.03)
     assert w.num_pairs == 12

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from prefixdpo.commands.train import DEMO_DEFAULTS, PARSER_KWARGS
-from prefixdpo.config import DataArguments, ModelArguments, PrefixDPOConfig, TrainArgumentParser, parse_train_args
+from prefixdpo.dpo.config import DataArguments, ModelArguments, PrefixDPOConfig, TrainArgumentParser, parse_train_args
 from prefixdpo.errors import ConfigError, UserError
 
 DATACLASSES = (PrefixDPOConfig, ModelArguments, DataArguments)
@@ -214,7 +214,7 @@ def test_missing_config_file_and_config_value_errors_are_user_errors(tmp_path):
 
 
 def test_sampling_strategies_we_do_not_implement_are_refused(tmp_path):
-    from prefixdpo.config import PrefixDPOConfig
+    from prefixdpo.dpo.config import PrefixDPOConfig
     from prefixdpo.errors import ConfigError
 
     for strategy in ("random", "sequential"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixdpo.flops import ModelShape, ideal_speedup
+from prefixdpo.bench.flops import ModelShape, ideal_speedup
 from prefixdpo.data.example import Example
 from prefixdpo.data.stats import compute_stats
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
@@ -21,7 +21,7 @@ def ex(p, *rs, i=0):
 
 def test_known_numbers():
     examples = [ex(10, 5, 5), ex(10, 5, 5), ex(30, 10, 10, 10)]
-    s = compute_stats(examples, pack_length=64, shape=SHAPE, model_name="tiny")
+    s = compute_stats(examples, pack_length=64, speedup=ideal_speedup(SHAPE, examples), model_name="tiny")
     assert (s.examples, s.responses) == (3, 7)
     assert (s.prompt.median, s.prompt.max) == (10, 30)
     assert (s.row.median, s.row.max) == (20, 60)
@@ -84,7 +84,7 @@ def test_inspect_prepares_lengths_as_train(tmp_path, tok_dir, capsys):
     """An over-long prompt: with train's defaults (max_length 1024, keep_start) the example is dropped and
     counted; with keep_end its prompt is cut so every sequence has max_length tokens, and counted."""
     from prefixdpo.cli import main
-    from prefixdpo.config import DataArguments, PrefixDPOConfig, data_options
+    from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig, data_options
     from prefixdpo.data.prepare import prepare_examples
 
     tok = build_tiny_tokenizer()

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixdpo.engines_deepspeed import reference_deepspeed_config
+from prefixdpo.core.engines_deepspeed import reference_deepspeed_config
 from prefixdpo.errors import ConfigError
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -48,10 +48,10 @@ SCRIPT = textwrap.dedent(
 
     import gc
     from transformers import AutoModelForCausalLM
-    from prefixdpo.config import PrefixDPOConfig
-    from prefixdpo.engines_deepspeed import zero3_partition_counts
-    from prefixdpo.forward import unwrap
-    from prefixdpo.trainer import PrefixDPOTrainer
+    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo.core.engines_deepspeed import zero3_partition_counts
+    from prefixdpo.core.model_checks import unwrap
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
     gc.freeze()  # Trainer.train runs gc.collect(); what is imported so far need not be scanned each time
     ds = None

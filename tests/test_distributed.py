@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
-    from prefixdpo.config import PrefixDPOConfig
-    from prefixdpo.objective import LOSSES
-    from prefixdpo.trainer import PrefixDPOTrainer
+    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo.dpo.objective import LOSSES
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
     import gc
     gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time
@@ -115,7 +115,7 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 
 
 def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
-    from prefixdpo.objective import LOSSES
+    from prefixdpo.dpo.objective import LOSSES
 
     one = _run(tmp_path, 1, "losses")
     two = _run(tmp_path, 2, "losses")

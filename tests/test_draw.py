@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixdpo.attention.draw import MASK_COLOURS, draw_mask, mask_image
+from prefixdpo.core.attention.draw import MASK_COLOURS, draw_mask, mask_image
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixdpo.engines import fsdp_requested, refuse_unsupported_engine_options
+from prefixdpo.core.engines import fsdp_requested, refuse_unsupported_engine_options
 from prefixdpo.errors import ConfigError
 
 

@@ -5,10 +5,12 @@ of several architectures built from configs. Tolerances: per-response log-prob s
 import pytest
 import torch
 
-from prefixdpo.forward import compute_response_logps, prepare_model
-from prefixdpo.logprobs import UnsupportedModelError
+from prefixdpo.core.forward import compute_response_logps
+
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.data.batch import build_batch
-from prefixdpo.verify import compare
+from prefixdpo.core.verify import compare
 from conftest import random_examples, tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -59,7 +61,7 @@ def test_attention_softcapping_refused_on_sdpa():
 
 def test_final_logit_softcapping_head_is_reproduced():
     """gemma2-style final soft-capping is applied on our head path (checked against the model's logits)."""
-    from prefixdpo.logprobs import check_head, lm_head_fn
+    from prefixdpo.core.logprobs import check_head, lm_head_fn
 
     model = tiny_model("gemma2", num_key_value_heads=2, head_dim=8, final_logit_softcapping=0.5)
     h = torch.randn(3, model.config.hidden_size)
@@ -86,8 +88,8 @@ def test_segmented_backend_matches_separate_passes(arch, case):
 
 def test_segmented_plan_covers_only_allowed_pairs():
     """Every (query, key) pair the plan computes is allowed by the dense rule, and every allowed pair is computed."""
-    from prefixdpo.attention.masks import dense_mask
-    from prefixdpo.attention.segments import build_segment_plan
+    from prefixdpo.core.attention.masks import dense_mask
+    from prefixdpo.core.attention.segments import build_segment_plan
 
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
     B, L = batch.doc_ids.shape

@@ -3,7 +3,7 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prefixdpo.logprobs import token_logps
+from prefixdpo.core.logprobs import token_logps
 
 V, D, T = 512, 16, 300
 
@@ -68,7 +68,7 @@ def test_wpo_sums_equal_full_logits_reference_and_leave_logps_unchanged():
     fp32 spacing is 6e-5); the log-prob sums are those of the plain pass."""
     import types
 
-    from prefixdpo.logprobs import response_logps
+    from prefixdpo.core.logprobs import response_logps
 
     f, head, hidden, targets = head_and_inputs(1)
     g = torch.Generator().manual_seed(3)
@@ -91,7 +91,7 @@ def test_wpo_sums_equal_full_logits_reference_and_leave_logps_unchanged():
 
 
 def test_positions_in_response_and_ld_split_by_hand():
-    from prefixdpo.logprobs import ld_pair_logps, positions_in_response
+    from prefixdpo.core.logprobs import ld_pair_logps, positions_in_response
 
     # responses 0 (3 tokens), 1 (5), 2 (1), 3 (2); targets interleaved as packed lines order them
     target_response = torch.tensor([0, 0, 1, 1, 0, 1, 2, 1, 3, 1, 3])
@@ -119,9 +119,10 @@ def test_inside_the_engine_forward_equals_the_head_applied_after_the_model():
     from conftest import make_examples, tiny_model
 
     from prefixdpo.data.batch import build_batch
-    from prefixdpo.forward import compute_response_logps, prepare_model, unwrap
-    from prefixdpo.logprobs import lm_head_fn, response_logps
-    from prefixdpo.attention.backends import build_attention_mask
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model, unwrap
+    from prefixdpo.core.logprobs import lm_head_fn, response_logps
+    from prefixdpo.core.attention.backends import build_attention_mask
 
     model = tiny_model("llama")
     prepare_model(model, "sdpa")

@@ -1,4 +1,4 @@
-"""Tests for prefixdpo.losses (pure loss functions) and prefixdpo.objective (registry, step context).
+"""Tests for prefixdpo.dpo.losses (pure loss functions) and prefixdpo.dpo.objective (registry, step context).
 
 Two kinds of reference values:
 
@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.losses import rewards
-from prefixdpo.objective import (
+from prefixdpo.dpo.losses import rewards
+from prefixdpo.dpo.objective import (
     LOSSES,
     REFERENCE_FREE,
     BCORunningMean,
@@ -563,7 +563,7 @@ def test_bco_resumed_state_gives_the_same_losses_and_eval_does_not_move_it():
 
 
 def test_quantile_partners_by_hand():
-    from prefixdpo.losses import quantile_partners
+    from prefixdpo.dpo.losses import quantile_partners
 
     a = torch.tensor([0.5, -1.0, 2.0])  # ranks 1, 0, 2
     b = torch.tensor([10.0, 30.0, 20.0])  # ranks 0, 2, 1; sorted 10, 20, 30
@@ -619,7 +619,7 @@ def test_gathered_float64_context_keeps_the_inputs_dtype():
 
 
 def _wpo_inputs(P=6, seed=0):
-    from prefixdpo.objective import PairLogps
+    from prefixdpo.dpo.objective import PairLogps
 
     g = torch.Generator().manual_seed(seed)
     logps = [-(torch.rand(P, generator=g, dtype=torch.float64) * 20 + 1) for _ in range(4)]
@@ -632,7 +632,7 @@ def test_use_weighting_scales_every_loss_of_a_pair_by_its_weight():
     """TRL: per_sequence_loss *= w_chosen * w_rejected for each loss type, then weighted and summed."""
     from dataclasses import replace
 
-    from prefixdpo.objective import LossParams, combined_loss
+    from prefixdpo.dpo.objective import LossParams, combined_loss
 
     inputs = _wpo_inputs()
     names, weights = ["sigmoid", "ipo", "bco_pair"], [1.0, 0.3, 2.0]
@@ -652,7 +652,7 @@ def test_use_weighting_scales_every_loss_of_a_pair_by_its_weight():
 
 @pytest.mark.parametrize("name", ["aot", "aot_unpaired", "sft"])
 def test_use_weighting_refused_where_trl_has_no_meaning_for_it(name):
-    from prefixdpo.objective import LossParams, combined_loss
+    from prefixdpo.dpo.objective import LossParams, combined_loss
 
     with pytest.raises(LossConfigError, match=f"use_weighting .*{name}"):
         combined_loss([name], None, _wpo_inputs(), LossParams(use_weighting=True))
@@ -661,7 +661,7 @@ def test_use_weighting_refused_where_trl_has_no_meaning_for_it(name):
 def test_use_weighting_without_weights_is_a_caller_bug():
     from dataclasses import replace
 
-    from prefixdpo.objective import LossParams, combined_loss
+    from prefixdpo.dpo.objective import LossParams, combined_loss
 
     with pytest.raises(ValueError, match="wpo_weights"):
         combined_loss(["sigmoid"], None, replace(_wpo_inputs(), wpo_weights=None), LossParams(use_weighting=True))

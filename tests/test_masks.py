@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixdpo.attention.masks import block_mask, dense_mask, prefix_sharing_mask_mod
+from prefixdpo.core.attention.masks import block_mask, dense_mask, prefix_sharing_mask_mod
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from conftest import random_examples, tiny_model
@@ -47,7 +47,8 @@ def test_dense_mask_equals_flex_mask_mod():
 
 def test_padding_rows_give_finite_gradients():
     """All-masked padded query rows would turn into NaN in SDPA; the self-attend clause prevents it."""
-    from prefixdpo.forward import compute_response_logps, prepare_model
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model
 
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
@@ -66,7 +67,8 @@ def _flex_available() -> bool:
 
 @pytest.mark.skipif(not _flex_available(), reason="this torch has no FlexAttention")
 def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
-    from prefixdpo.forward import compute_response_logps, prepare_model
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model
 
     # A private inductor cache: measured, kernels cached under one ATEN_CPU_CAPABILITY and reused under
     # another (avx512 -> avx2) gave log-probs off by 6.0; the cache key does not include the capability.
@@ -86,7 +88,7 @@ def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
 
 
 def test_flex_training_on_cpu_is_refused():
-    from prefixdpo.attention.backends import resolve_backend
+    from prefixdpo.core.attention.backends import resolve_backend
 
     with pytest.raises(ValueError, match="no CPU backward"):
         resolve_backend("flex", "cpu", needs_grad=True)

@@ -1,4 +1,4 @@
-"""`prefixdpo.models`: the one place models and tokenizers are loaded."""
+"""`prefixdpo.core.models`: the one place models and tokenizers are loaded."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model
 from prefixdpo.errors import ConfigError
-from prefixdpo.models import load_causal_lm, load_tokenizer, resolve_dtype
+from prefixdpo.core.models import load_causal_lm, load_tokenizer, resolve_dtype
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,13 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
 from conftest import make_examples, tiny_model
-from prefixdpo.checkpoints import last_good_checkpoint, read_state, seal_checkpoint
-from prefixdpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.training.checkpoints import last_good_checkpoint, read_state, seal_checkpoint
+from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
 from prefixdpo.errors import ConfigError
-from prefixdpo.forward import unwrap
-from prefixdpo.nonfinite import NonFiniteLossError, check_engine_support, deepspeed_gap
+from prefixdpo.core.model_checks import unwrap
+from prefixdpo.training.nonfinite import NonFiniteLossError, check_engine_support, deepspeed_gap
 from prefixdpo.reward.config import PrefixRewardConfig, parse_reward_args
-from prefixdpo.trainer import PrefixDPOTrainer
+from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -127,7 +127,7 @@ def test_nan_gradient_at_step_k_is_never_applied(tmp_path, monkeypatch, norm_rep
     if not norm_reported:  # a Trainer that no longer reports its norm: the guard checks the gradients itself
         from transformers import Trainer
 
-        from prefixdpo.trainer_base import PrefixTrainerBase
+        from prefixdpo.training.base import PrefixTrainerBase
 
         monkeypatch.setattr(PrefixTrainerBase, "_get_grad_norm", Trainer._get_grad_norm)
     args = config(tmp_path, save_strategy="steps", save_steps=1, max_steps=5)

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import prefixdpo.reference as reference
+import prefixdpo.dpo.reference as reference
 from conftest import make_examples, tiny_model
-from prefixdpo.config import PrefixDPOConfig
-from prefixdpo.trainer import PrefixDPOTrainer
+from prefixdpo.dpo.config import PrefixDPOConfig
+from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
 SETTINGS = {"dtype": "torch.float32"}
 
@@ -84,7 +84,7 @@ def test_a_damaged_cache_file_is_recomputed_with_one_warning_and_repaired(tmp_pa
     clean, path, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
     assert not hit and os.listdir(cache) == [os.path.basename(path)]
     fault(path)
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.reference"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference"):
         again, _, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
     assert not hit
     assert torch.equal(again.sums, clean.sums) and torch.equal(again.offsets, clean.offsets)
@@ -108,7 +108,7 @@ def test_a_failed_cache_write_is_a_warning_and_leaves_the_old_file(tmp_path, cap
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("safetensors.torch.save_file", disk_full)
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.reference"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference"):
         table, _, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
     assert not hit and torch.equal(table.sums, clean.sums)
     assert [r.getMessage().split(" ")[:3] for r in caplog.records] == [["reference", "cache", path],

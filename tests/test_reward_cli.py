@@ -62,8 +62,8 @@ def test_bad_records_are_one_line_errors_naming_the_record(saved, tmp_path, caps
 
 
 def test_bad_margins_are_skipped_and_counted_with_invalid_skip(saved, tmp_path):
-    from prefixdpo.config import DataArguments
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.dpo.config import DataArguments
+    from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
     from prefixdpo.reward.data import reward_examples
 
@@ -94,7 +94,7 @@ def test_verify_task_reward_passes_and_catches_a_broken_layout(saved, capsys):
 def test_reward_ideal_counts_body_and_attention_only():
     from prefixdpo.bench.reward import reward_ideal_speedup
     from prefixdpo.data.example import Example
-    from prefixdpo.flops import ModelShape, ideal_speedup
+    from prefixdpo.bench.flops import ModelShape, ideal_speedup
 
     shape = ModelShape(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=1000)
     ex = Example([1] * 10, [[2] * 4, [3] * 6], pairs=[(0, 1)])
@@ -119,8 +119,8 @@ def test_bench_task_reward_reports_shared_packed_over_paired_packed_with_its_ide
 
 
 def test_multi_response_records_give_every_pair_of_the_policy_and_their_margin(saved):
-    from prefixdpo.config import DataArguments
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.dpo.config import DataArguments
+    from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
     from prefixdpo.reward.data import pair_margins, reward_examples
 

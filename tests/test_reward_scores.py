@@ -12,8 +12,8 @@ import torch
 from conftest import TINY, random_examples
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.forward import prepare_model
-from prefixdpo.logprobs import UnsupportedModelError
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores

@@ -41,7 +41,8 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
     from conftest import tiny_model  # sets 2 intra-op threads, as the suite runs
     from prefixdpo.bench.modes import layout_group
     from prefixdpo.bench.workloads import synthetic_workload
-    from prefixdpo.forward import compute_response_logps, prepare_model
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model
 
     workload = synthetic_workload("tulu-helpsteer", 6, 3, vocab_size=96, seed=1, length_scale=0.05)
     batch = layout_group([workload.examples[i] for i in workload.groups[0]], "paired", pack_length=None)
@@ -72,5 +73,5 @@ def test_first_call_of_every_vml_op_runs_on_one_thread():
     split = {key: n for key, n in first_calls.items() if n >= GRAIN}
     assert not split, (
         f"first calls of MKL VML-backed ops split over threads (op/dtype: elements): {split}; "
-        "prefixdpo.forward must settle VML's kernels single-threaded at import (prefixdpo.vml_warmup)"
+        "prefixdpo.core.forward.through_engine must settle VML's kernels single-threaded before the first forward (prefixdpo.core.vml_warmup)"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixdpo import checkpoints
+from prefixdpo.training import checkpoints
 from prefixdpo.cli import main
 
 HERE = Path(__file__).resolve().parent

@@ -18,11 +18,11 @@ import torch
 
 import test_trl_parity as parity
 from conftest import tiny_model
-from prefixdpo.callbacks import SyncReferenceCallback, tr_dpo_callback
-from prefixdpo.config import PrefixDPOConfig
+from prefixdpo.dpo.tr_dpo import SyncReferenceCallback, tr_dpo_callback
+from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.errors import ConfigError
-from prefixdpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
-from prefixdpo.trainer import PrefixDPOTrainer
+from prefixdpo.dpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
+from prefixdpo.dpo.trainer import PrefixDPOTrainer
 from test_trl_parity import REWARD_ATOL, compare, parity_setup, run_ours, run_trl, shared_options
 
 TR_DPO = dict(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
@@ -125,7 +125,7 @@ def test_refused_with_precomputed_reference(tmp_path):
 
 
 def test_ignored_without_a_reference(caplog):
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.training.callbacks"):
         assert tr_dpo_callback(tr_args(loss_type=["simpo"]), NoReference(), tiny_model("llama")) is None
     assert "sync_ref_model=True has no effect: loss_type ['simpo'] uses no reference model" in caplog.text
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.errors import UserError
-from prefixdpo.trainer import NonFiniteLossError, PrefixDPOTrainer
+from prefixdpo.dpo.trainer import NonFiniteLossError, PrefixDPOTrainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -129,7 +129,7 @@ def test_reference_modes(tmp_path, monkeypatch):
     assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
 
     # precomputed: same numbers, no reference model kept, and a second run reuses the cache
-    import prefixdpo.reference as reference
+    import prefixdpo.dpo.reference as reference
 
     calls = []
     real = reference.compute_table
@@ -318,7 +318,7 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
 
 
 def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
-    import prefixdpo.reference as reference
+    import prefixdpo.dpo.reference as reference
 
     examples = make_examples(6)
     model = tiny_model("llama")
@@ -361,7 +361,7 @@ def test_throughput_counts_pairs(tmp_path):
 
 def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_path, monkeypatch):
     """aot under gradient accumulation pre-passes the step; the reference's sums from that pass are reused."""
-    from prefixdpo.reference import SeparateModelReference
+    from prefixdpo.dpo.reference import SeparateModelReference
 
     calls = []
     real = SeparateModelReference.logps
@@ -374,7 +374,7 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypatch, rank):
     """A sharded model's forward is a collective: a rank with fewer examples must still run every batch."""
-    import prefixdpo.reference as reference
+    import prefixdpo.dpo.reference as reference
 
     examples = make_examples(7)  # over 3 ranks: 3, 2, 2 examples; batch 2 -> 2 batches each
     calls = []

@@ -13,7 +13,7 @@ from typing import get_type_hints
 import pytest
 import torch
 
-from prefixdpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
 from prefixdpo.errors import ConfigError
 
 trl = pytest.importorskip("trl")
@@ -74,7 +74,7 @@ def test_trl_defaults_resolve_on_cpu_to_fp32_with_checkpointing_and_no_warnings(
 def test_bf16_default_follows_the_device(monkeypatch):
     import transformers.utils
 
-    from prefixdpo.config import _device_has_bf16
+    from prefixdpo.dpo.config import _device_has_bf16
 
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: True)
     assert _device_has_bf16(use_cpu=False) is True
@@ -131,7 +131,7 @@ def test_help_states_what_moot_options_do(capsys):
 def test_model_init_kwargs_reach_from_pretrained_by_trls_dtype_rule(tmp_path):
     from conftest import tiny_model
 
-    from prefixdpo.models import init_kwargs_dtype, load_causal_lm
+    from prefixdpo.core.models import init_kwargs_dtype, load_causal_lm
 
     path = tmp_path / "m"
     tiny_model("llama").save_pretrained(path)
@@ -151,7 +151,7 @@ def test_activation_offloading_context_off_is_a_no_op_and_refused_on_cpu():
 
     from conftest import tiny_model
 
-    from prefixdpo.offloading import activation_offloading_context
+    from prefixdpo.core.offloading import activation_offloading_context
 
     model = tiny_model("llama")
     assert isinstance(activation_offloading_context(model, False), contextlib.nullcontext)
@@ -196,7 +196,7 @@ def test_a_trl_dpo_yaml_runs_unchanged_and_means_what_trl_reads(tmp_path, capsys
 
     from prefixdpo.cli import main
     from prefixdpo.demo import build_demo
-    from prefixdpo.trainer import PrefixDPOTrainer
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
     base = build_demo(tmp_path / "base")
     data = tmp_path / "prefs.jsonl"

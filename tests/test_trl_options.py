@@ -13,7 +13,7 @@ where each pair's prompt appears twice. A prefix-shared row holds the prompt onc
 aux loss of our row is NOT TRL's (asserted below: it differs). Exact equality is still possible: a
 prompt's router logits are the same in both of TRL's rows (causal attention) and a response's equal
 those of its separate sequence (the mask rule), so counting each token as often as TRL's rows hold it
-(`forward.trl_token_multiplicity`) gives TRL's statistics. Asserted: our aux loss equals TRL's own
+(`moe.trl_token_multiplicity`) gives TRL's statistics. Asserted: our aux loss equals TRL's own
 fused-head aux loss on its padded rows (fp32, relative 1e-5), packed and unpacked, for Mixtral and
 Qwen3-MoE; the router logits we record are those the model itself returns for the same row.
 """
@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.config import PrefixDPOConfig
+from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import pack_in_order
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.trainer import PrefixDPOTrainer
+from prefixdpo.dpo.trainer import PrefixDPOTrainer
 from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, compare, parity_records, shared_options, step_logs
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +141,10 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     from trl.trainer.utils import add_fused_lm_head
 
-    from prefixdpo.attention.backends import build_attention_mask
-    from prefixdpo.forward import compute_response_logps, prepare_model, recording_router_logits
+    from prefixdpo.core.attention.backends import build_attention_mask
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model
+    from prefixdpo.core.moe import recording_router_logits
 
     model = tiny_model(arch, **MOE[arch])
     examples = make_examples(6, seed=1, ks=(2, 3))  # K = 3 examples hold two pairs sharing the better response
@@ -178,8 +180,10 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
 
 
 def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
-    from prefixdpo.forward import compute_response_logps, prepare_model, resolve_router_aux_loss_coef
-    from prefixdpo.forward import UnsupportedModelError
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.core.model_checks import prepare_model
+    from prefixdpo.core.moe import resolve_router_aux_loss_coef
+    from prefixdpo.core.forward import UnsupportedModelError
 
     model = tiny_model("mixtral", **MOE["mixtral"], router_aux_loss_coef=0.02)
     assert resolve_router_aux_loss_coef(model, None) == 0.02  # the model's own, as TRL

@@ -9,13 +9,14 @@ import inspect
 import pytest
 import torch
 
-from prefixdpo.attention import varlen
-from prefixdpo.attention.backends import build_attention_mask, resolve_backend
-from prefixdpo.attention.masks import dense_mask
+from prefixdpo.core.attention import varlen
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.forward import compute_response_logps, prepare_model
-from prefixdpo.verify import compare
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.core.verify import compare
 from conftest import random_examples, tiny_model
 
 LOGP_TOL = 1e-5

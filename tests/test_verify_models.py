@@ -7,7 +7,7 @@ import torch
 
 from conftest import random_examples, tiny_model
 from prefixdpo.cli import main
-from prefixdpo.verify import separate_pass_logps, stock_implementation
+from prefixdpo.core.verify import separate_pass_logps, stock_implementation
 
 GEMMA2 = dict(num_key_value_heads=2, head_dim=8)
 

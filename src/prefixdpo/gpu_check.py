@@ -8,7 +8,7 @@ Three sections, each a list of checks; a table on stdout, and gpu-check.json + g
 - verify: tiny Llama, Qwen2, Qwen3, Mistral and Gemma-2 (soft-capping: flex only) in fp32 and bf16, for
   every GPU attention backend this install has (flex, varlen where `attention.backends.BACKENDS` lists
   it, sdpa): per-response log-probs and DPO-loss gradients against stock separate passes
-  (`prefixdpo.verify.compare`, the cases and tolerances of `prefixdpo verify`).
+  (`prefixdpo.core.verify.compare`, the cases and tolerances of `prefixdpo verify`).
 - train: 5 SGD steps in fp32, standard pairs vs prefix-shared packed rows, from the same weights: per-step
   losses and final weights must agree (SGD, not AdamW: Adam's normalisation turns rounding in a
   near-zero gradient into a full-size step, which would hide the comparison).
@@ -40,7 +40,7 @@ except ImportError:  # `make gpu-check` on a python without torch: main() says s
     torch = None
 
 from prefixdpo.atomic_io import atomic_write_text
-from prefixdpo.flops import ModelShape
+from prefixdpo.bench.flops import ModelShape
 
 __all__ = [
     "ARCHS", "DTYPES", "BENCH_SHAPE", "CheckResult", "attention_backends", "planned_checks", "format_table",
@@ -73,7 +73,7 @@ class CheckResult:
 
 def attention_backends() -> list[str]:
     """The GPU backends to check, in order: flex, varlen (only where this install has it), sdpa."""
-    from prefixdpo.attention.backends import BACKENDS
+    from prefixdpo.core.attention.backends import BACKENDS
 
     return [b for b in ("flex", "varlen", "sdpa") if b in BACKENDS]
 
@@ -174,9 +174,9 @@ def verify_examples():
 def verify_check(arch: str, dtype_name: str, backend: str, device: str) -> CheckResult:
     """`prefixdpo verify`'s four cases on a tiny `arch`; n/a where the backend refuses the model."""
     from prefixdpo.commands.verify import DTYPE_TOLERANCES
-    from prefixdpo.forward import check_model_supported
-    from prefixdpo.logprobs import UnsupportedModelError
-    from prefixdpo.verify import compare
+    from prefixdpo.core.model_checks import check_model_supported
+    from prefixdpo.core.logprobs import UnsupportedModelError
+    from prefixdpo.core.verify import compare
 
     name = f"{arch} {dtype_name} {backend}"
     model = tiny_causal_lm(arch, getattr(torch, dtype_name), device)
@@ -210,7 +210,7 @@ def train_check(backend: str, device: str, steps: int = TRAIN_STEPS) -> CheckRes
     from prefixdpo.bench.modes import layout_group
     from prefixdpo.bench.step import dpo_losses
     from prefixdpo.data.synthetic import synthetic_examples
-    from prefixdpo.forward import prepare_model
+    from prefixdpo.core.model_checks import prepare_model
 
     name = f"llama float32 {backend}"
     base = tiny_causal_lm("llama", torch.float32, device)
@@ -278,7 +278,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, examples
     from prefixdpo.bench.runner import run_workload
     from prefixdpo.bench.step import DPOStep
     from prefixdpo.bench.workloads import synthetic_workload
-    from prefixdpo.forward import prepare_model
+    from prefixdpo.core.model_checks import prepare_model
 
     results = []
     policy, reference, shape = build_models(BENCH_SHAPE, device=device, dtype=torch.bfloat16, backend=backends[0])

@@ -1,1 +1,1 @@
-"""Benchmarks: the side-by-side standard vs prefix-shared runs (the useful-FLOP model is `prefixdpo.flops`)."""
+"""Benchmarks: the side-by-side standard vs prefix-shared runs (the useful-FLOP model is `prefixdpo.bench.flops`)."""

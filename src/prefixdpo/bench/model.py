@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from prefixdpo.flops import ModelShape
+from prefixdpo.bench.flops import ModelShape
 
 __all__ = ["DEFAULT_SHAPE", "QUICK_SHAPE", "MEDIUM_SHAPE", "SHAPES", "llama_config", "build_models"]
 
@@ -46,8 +46,8 @@ def build_models(model: str | ModelShape, *, device: str, dtype: torch.dtype, ba
     model: a ModelShape (random-init Llama) or a path / hub name for `AutoModelForCausalLM`.
     The reference is frozen and in eval mode; the policy trains (dropout stays 0 in Llama configs).
     """
-    from prefixdpo.forward import prepare_model
-    from prefixdpo.models import load_causal_lm
+    from prefixdpo.core.model_checks import prepare_model
+    from prefixdpo.core.models import load_causal_lm
 
     torch.manual_seed(seed)
     source = llama_config(model) if isinstance(model, ModelShape) else model

@@ -28,7 +28,7 @@ from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
 from prefixdpo.bench.paper import PAPER
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
-from prefixdpo.flops import ModelShape, ideal_speedup
+from prefixdpo.bench.flops import ModelShape, ideal_speedup
 
 __all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
 

@@ -1,7 +1,7 @@
 """A lean DPO training step, the same code for every benchmark mode.
 
 policy forward + backward (with grad), reference forward (no grad), sigmoid DPO loss, AdamW step.
-The losses come from `prefixdpo.step.pair_losses`, the trainer's own micro-batch function (the model's
+The losses come from `prefixdpo.dpo.step.pair_losses`, the trainer's own micro-batch function (the model's
 own body with our attention, LM head only where a response token is predicted, ONE attention mask per
 step shared by the policy and reference passes). Nothing here knows which mode built the batch: any speed difference
 between modes comes from the batch layout (prefix sharing, packing), not from different code.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.attention.backends import resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.objective import LossParams
-from prefixdpo.reference import SeparateModelReference
-from prefixdpo.step import Objective, pair_losses
+from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.reference import SeparateModelReference
+from prefixdpo.dpo.step import Objective, pair_losses
 
 __all__ = ["dpo_losses", "DPOStep"]
 
@@ -33,7 +33,7 @@ def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0
 class DPOStep:
     """One optimizer step per call: `step(batch) -> loss` (mean over the batch's pairs).
 
-    policy and reference: prepared models (`prefixdpo.forward.prepare_model`) on the batch's device.
+    policy and reference: prepared models (`prefixdpo.core.model_checks.prepare_model`) on the batch's device.
     backend: "sdpa" (CPU) or "flex" (CUDA); the mask is built inside the step (its cost is timed).
     """
 

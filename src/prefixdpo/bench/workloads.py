@@ -102,7 +102,7 @@ def dataset_workload(
         from prefixdpo.data.prepare import DataOptions, prepare_examples
     except ImportError as err:  # the data pipeline is optional for synthetic runs
         raise ValueError(f"--dataset needs prefixdpo.data.prepare, which is not available: {err}") from None
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_name, trust_remote_code=trust_remote_code)
     options = DataOptions(max_length=max_length, max_samples=n_examples, split=split, invalid="skip")

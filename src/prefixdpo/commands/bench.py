@@ -164,7 +164,7 @@ def run(args) -> int:
         stepper = DPOStep(policy, reference, backend=backend)
     workloads = _workloads(args, settings, shape.vocab)
     if args.dataset:  # a record over the model's positions: one line, before the first step
-        from prefixdpo.fit import check_positions
+        from prefixdpo.core.fit import check_positions
 
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0

@@ -36,7 +36,7 @@ def _train_options():
     """The `PrefixDPOConfig` / `DataArguments` fields inspect takes from train: every DataArguments field but
     the dataset (DATASET here); the config fields `data_options` passes on (those named like a `DataOptions`
     field: max_length, truncation_mode); `pack_length` for the packing figure; `trust_remote_code`."""
-    from prefixdpo.config import DataArguments, PrefixDPOConfig
+    from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig
     from prefixdpo.data.prepare import DataOptions
 
     option_names = {f.name for f in dataclasses.fields(DataOptions)}
@@ -74,7 +74,7 @@ def register(subparsers) -> None:
 
 
 def _shape(model_config: str | None):
-    from prefixdpo.flops import LLAMA_3_1_8B, ModelShape
+    from prefixdpo.bench.flops import LLAMA_3_1_8B, ModelShape
 
     if model_config is None:
         return LLAMA_3_1_8B, "Llama-3.1-8B"
@@ -88,7 +88,7 @@ def _shape(model_config: str | None):
 
 
 def run(args) -> int:
-    from prefixdpo.config import DataArguments, PrefixDPOConfig, data_options
+    from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig, data_options
     from prefixdpo.data.prepare import prepare_examples
     from prefixdpo.data.stats import compute_stats
 
@@ -97,7 +97,7 @@ def run(args) -> int:
     config = PrefixDPOConfig(packing=True, **{name: getattr(args, name) for name in args.config_fields})
     data = DataArguments(dataset_name=args.dataset, **{name: getattr(args, name) for name in args.data_fields})
     options = data_options(config, data)
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=config.trust_remote_code)
     shape, model_name = _shape(args.model_config)
@@ -108,7 +108,12 @@ def run(args) -> int:
     if not prepared.examples:
         print("No examples left to inspect.")
         return 1
-    stats = compute_stats(prepared.examples, config.pack_length, shape=shape, model_name=model_name)
+    speedup = None
+    if shape is not None:
+        from prefixdpo.bench.flops import ideal_speedup
+
+        speedup = ideal_speedup(shape, prepared.examples)
+    stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name)
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
@@ -117,7 +122,7 @@ def run(args) -> int:
 
 def _draw_first_line(examples, pack_length: int, path: str):
     """Pack the examples that fit (first-fit, without shuffling) and draw the first packed line."""
-    from prefixdpo.attention.draw import draw_mask
+    from prefixdpo.core.attention.draw import draw_mask
     from prefixdpo.data.batch import build_batch
     from prefixdpo.data.packing import plan_packs
 

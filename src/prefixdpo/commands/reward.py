@@ -56,7 +56,7 @@ def run(args) -> int:
         return 0
     config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS, **_parser_kwargs())
 
-    from prefixdpo.models import load_tokenizer
+    from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.data import reward_examples
     from prefixdpo.reward.model import load_reward_model
     from prefixdpo.reward.trainer import PrefixRewardTrainer

@@ -65,7 +65,7 @@ def _fmt(value) -> str:
 
 
 def run(args) -> int:
-    from prefixdpo.config import TrainArgumentParser, data_options, parse_train_args
+    from prefixdpo.dpo.config import TrainArgumentParser, data_options, parse_train_args
 
     argv = list(getattr(args, "extra_argv", []))
     if any(a in ("-h", "--help") for a in argv):
@@ -76,8 +76,8 @@ def run(args) -> int:
     demo_data = data_args.dataset_name is None
 
     from prefixdpo.data.prepare import prepare_examples
-    from prefixdpo.models import load_causal_lm, load_tokenizer
-    from prefixdpo.trainer import PrefixDPOTrainer
+    from prefixdpo.core.models import load_causal_lm, load_tokenizer
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
     start = time.time()
     demo = None

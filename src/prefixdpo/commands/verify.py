@@ -92,16 +92,16 @@ def _examples(tokenizer, text_file: str | None):
 
 def run(args) -> int:
     import torch
-    from prefixdpo.fit import check_positions
-    from prefixdpo.forward import check_model_supported, text_config
-    from prefixdpo.logprobs import UnsupportedModelError
-    from prefixdpo.verify import compare, stock_implementation
+    from prefixdpo.core.fit import check_positions
+    from prefixdpo.core.model_checks import check_model_supported, text_config
+    from prefixdpo.core.logprobs import UnsupportedModelError
+    from prefixdpo.core.verify import compare, stock_implementation
 
     dtype = getattr(torch, args.dtype)
     logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
     logp_tol = args.logp_tol if args.logp_tol is not None else logp_tol
     grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
-    from prefixdpo.models import load_causal_lm, load_tokenizer
+    from prefixdpo.core.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     quantity, compare_fn = "logp", compare

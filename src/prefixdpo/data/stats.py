@@ -6,7 +6,7 @@
   sum_k (P + R_k);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
-- predicted speedup: the useful-FLOP model of `prefixdpo.flops` (body matmuls + allowed attention pairs + LM
+- predicted speedup: the useful-FLOP model of `prefixdpo.bench.flops` (body matmuls + allowed attention pairs + LM
   head at response-predicting positions, standard DPO / prefix sharing) for a given model shape.
 """
 
@@ -90,12 +90,12 @@ class DataStats:
 def compute_stats(
     examples: Sequence[Example],
     pack_length: int | str = "auto",
-    shape=None,
+    speedup: float | None = None,
     model_name: str | None = None,
     seed: int = 0,
 ) -> DataStats:
     """Statistics of `examples`. pack_length: "auto" (`packing.auto_pack_length`) or an int.
-    shape: a `prefixdpo.flops.ModelShape` for the predicted speedup (None = no prediction)."""
+    speedup: the FLOP model's predicted speedup for a model (`bench.flops.ideal_speedup`), None = no prediction."""
     from prefixdpo.data.packing import auto_pack_length, packing_efficiency, plan_packs
 
     if not examples:
@@ -107,11 +107,6 @@ def compute_stats(
     length = auto_pack_length(rows) if pack_length == "auto" else int(pack_length)
     fitting = [n for n in rows if n <= length]
     packs = plan_packs(fitting, length, seed=seed) if fitting else []
-    speedup = None
-    if shape is not None:
-        from prefixdpo.flops import ideal_speedup
-
-        speedup = ideal_speedup(shape, examples)
     return DataStats(
         examples=len(examples),
         responses=len(responses),
@@ -125,6 +120,6 @@ def compute_stats(
         packs=len(packs),
         rows_over_pack_length=len(rows) - len(fitting),
         packing_efficiency=packing_efficiency(fitting, packs, length),
-        model=model_name if shape is not None else None,
+        model=model_name if speedup is not None else None,
         speedup=speedup,
     )

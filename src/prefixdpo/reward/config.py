@@ -14,13 +14,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from prefixdpo.attention.backends import BACKENDS
-from prefixdpo.config import (
+from prefixdpo.core.attention.backends import BACKENDS
+from prefixdpo.dpo.config import (
     DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes,
     refuse_or_state_options_without_effect,
 )
 from prefixdpo.errors import ConfigError
-from prefixdpo.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
+from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
 
 
 @dataclass

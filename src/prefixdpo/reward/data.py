@@ -16,7 +16,7 @@ import torch
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.validation import WRONG_TYPE, InvalidRecordError
-from prefixdpo.training_data import as_examples
+from prefixdpo.data.inputs import as_examples
 
 MARGIN = "margin"
 

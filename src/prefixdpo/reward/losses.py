@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefixdpo.metrics import MetricSums
+from prefixdpo.training.metrics import MetricSums
 
 
 def pair_reward_losses(scores: torch.Tensor, better: torch.Tensor, worse: torch.Tensor,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.forward import text_config
-from prefixdpo.model_setup import prepare_policy
-from prefixdpo.models import init_kwargs_dtype, resolve_dtype
+from prefixdpo.core.model_checks import text_config
+from prefixdpo.training.model_setup import prepare_policy
+from prefixdpo.core.models import init_kwargs_dtype, resolve_dtype
 
 
 @contextlib.contextmanager
@@ -86,7 +86,7 @@ def agree_special_tokens(model, tokenizer, args) -> None:
 def prepare_reward_model(model, args, *, backend: str, peft_config=None, tokenizer=None):
     """(model, tokenizer) ready to train; `model` may be a name/path (its tokenizer is loaded too)."""
     if isinstance(model, str):
-        from prefixdpo.models import load_tokenizer
+        from prefixdpo.core.models import load_tokenizer
 
         init = args.model_init_kwargs or {}
         tokenizer = tokenizer or load_tokenizer(model, trust_remote_code=args.trust_remote_code,

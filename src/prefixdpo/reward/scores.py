@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.forward import base_model, check_sequences_fit_window, decoder_output, text_config, through_engine
-from prefixdpo.logprobs import UnsupportedModelError
+from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
+from prefixdpo.core.forward import decoder_output, through_engine
+from prefixdpo.core.logprobs import UnsupportedModelError
 
 
 def score_head(model) -> torch.nn.Module:

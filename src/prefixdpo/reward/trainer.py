@@ -2,7 +2,7 @@
 
 The data path is the DPO trainer's: records -> Examples (every format, pairs policy, validation) ->
 per-epoch micro-batch plans (padded or packed lines, the same number of micro-batches on every rank,
-re-planned each epoch by `PrefixDPOCallback`) -> `Batch`. Per micro-batch, one pass of the reward model
+re-planned each epoch by `RunCallback`) -> `Batch`. Per micro-batch, one pass of the reward model
 scores every response of every example once (`scores.compute_response_scores`); each preference pair
 the pairs policy names gives one loss term (`losses.pair_reward_losses`).
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.callbacks import PrefixDPOCallback
 from prefixdpo.data.loader import MicroBatches
-from prefixdpo.fit import check_run_fits
+from prefixdpo.core.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import pair_margins, reward_examples
 from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_reward_losses
 from prefixdpo.reward.model import prepare_reward_model
 from prefixdpo.reward.scores import compute_response_scores
-from prefixdpo.trainer_base import PrefixTrainerBase
+from prefixdpo.training.base import PrefixTrainerBase
 
 __all__ = ["PrefixRewardTrainer"]
 
@@ -65,7 +64,6 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-        self.add_callback(PrefixDPOCallback(self))
         self._init_run_state()
 
     def _as_examples(self, data, tokenizer, name: str):

@@ -11,10 +11,10 @@ import torch
 
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.forward import prepare_model, text_config
+from prefixdpo.core.model_checks import prepare_model, text_config
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores
-from prefixdpo.verify import VerifyResult, stock_sequences
+from prefixdpo.core.verify import VerifyResult, stock_sequences
 
 
 def separate_pass_scores(model, examples: list[Example]) -> torch.Tensor:
@@ -32,7 +32,7 @@ def compare_scores(model, examples: list[Example], *, packs=None, backend: str =
                    restart_positions: bool = True) -> VerifyResult:
     """Max abs diff of per-response scores and of Bradley-Terry-loss gradients, our layout vs separate passes.
 
-    packs / prefix_sharing / pad_multiple: the layout, as `prefixdpo.verify.compare` (padding tokens are
+    packs / prefix_sharing / pad_multiple: the layout, as `prefixdpo.core.verify.compare` (padding tokens are
     `pad_token_id`). Gradients are compared where the backend has a backward on the model's device.
     `VerifyResult.logp_*` hold the score differences. restart_positions=False breaks the layout on purpose
     (positions run on through the row), to show the check catches a wrong setup.

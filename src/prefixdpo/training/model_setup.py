@@ -1,13 +1,13 @@
 """The policy and reference made ready for prefixdpo training: loaded if named, wrapped with PEFT, dropout
-off (as TRL's `disable_dropout`), and switched to prefixdpo's attention (`forward.prepare_model`)."""
+off (as TRL's `disable_dropout`), and switched to prefixdpo's attention (`model_checks.prepare_model`)."""
 
 from __future__ import annotations
 
 import torch
 
 from prefixdpo.errors import UserError
-from prefixdpo.forward import prepare_model
-from prefixdpo.reference import is_peft_model
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.dpo.reference import is_peft_model
 
 
 def disable_dropout(model) -> None:
@@ -19,7 +19,7 @@ def disable_dropout(model) -> None:
 def _load(name: str, args, dtype="float32"):
     # TRL's DPOTrainer loads a named model in float32 unless `model_init_kwargs` says otherwise (bf16 is then
     # autocast, with fp32 master weights); `model_init_kwargs` win over everything else.
-    from prefixdpo.models import load_causal_lm
+    from prefixdpo.core.models import load_causal_lm
 
     return load_causal_lm(name, dtype=dtype, trust_remote_code=args.trust_remote_code,
                           model_init_kwargs=args.model_init_kwargs)
@@ -28,7 +28,7 @@ def _load(name: str, args, dtype="float32"):
 def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=None):
     """(model, tokenizer) ready to train; `model` may be a name/path (its tokenizer is loaded too)."""
     if isinstance(model, str):
-        from prefixdpo.models import load_tokenizer
+        from prefixdpo.core.models import load_tokenizer
 
         tokenizer = tokenizer or load_tokenizer(model, trust_remote_code=args.trust_remote_code,
                                                 revision=(args.model_init_kwargs or {}).get("revision"))

@@ -1,7 +1,7 @@
 """What every prefixdpo trainer adds to `transformers.Trainer`, whatever it trains (DPO family, reward model).
 
 - data: each loader item is one micro-batch (padded or packed lines), planned per epoch with the seed, the
-  same number of micro-batches on every rank (`data/loader.py`), re-planned by `PrefixDPOCallback`;
+  same number of micro-batches on every rank (`data/loader.py`), re-planned by `RunCallback`;
 - gradient normalisation: a micro-batch's loss is ``sum(pair losses) * W / N``, N the pairs of the whole
   optimizer step over all W ranks (known from the plan, no communication). The engines average gradients
   over ranks (the W cancels) and `loss_is_scaled_for_ga = True` stops Trainer from dividing by the
@@ -34,17 +34,18 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from prefixdpo import checkpoints
+from prefixdpo.training import checkpoints
+from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
-from prefixdpo.attention.backends import resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
-from prefixdpo.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
+from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
 from prefixdpo.errors import TrainingPreempted, UserError
-from prefixdpo.forward import restore_stock_attention, unwrap
+from prefixdpo.core.model_checks import restore_stock_attention, unwrap
 from prefixdpo.rank_decisions import from_rank0
-from prefixdpo.nonfinite import NonFiniteGuard, check_engine_support, poisoned
-from prefixdpo.offloading import activation_offloading_context
-from prefixdpo.training_data import loader_settings, pad_token_id
+from prefixdpo.training.nonfinite import NonFiniteGuard, check_engine_support, poisoned
+from prefixdpo.core.offloading import activation_offloading_context
+from prefixdpo.data.inputs import loader_settings, pad_token_id
 
 
 class PrefixTrainerBase(Trainer):
@@ -83,6 +84,7 @@ class PrefixTrainerBase(Trainer):
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
         self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
         drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it (`callbacks.py`)
+        self.add_callback(RunCallback(self))
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()

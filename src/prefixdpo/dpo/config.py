@@ -24,11 +24,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from transformers import TrainingArguments
 
-from prefixdpo.attention.backends import BACKENDS
+from prefixdpo.core.attention.backends import BACKENDS
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.losses import LossConfigError
-from prefixdpo.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
-from prefixdpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
+from prefixdpo.dpo.losses import LossConfigError
+from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
+from prefixdpo.dpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
 
 ATTENTION_CHOICES = BACKENDS
 

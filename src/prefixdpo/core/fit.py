@@ -32,7 +32,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, resolve_pack_length, row_length
 from prefixdpo.data.loader import _check_rows_fit as check_rows_fit  # the loader's own message, met earlier
 from prefixdpo.errors import UserError
-from prefixdpo.forward import base_model, sliding_window_of, text_config
+from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
 
 __all__ = ["DataDoesNotFitError", "position_limit", "check_positions", "mask_bytes", "memory_bound",
            "check_mask_memory", "check_run_fits"]
@@ -265,7 +265,7 @@ def _compute_itemsize(model, args) -> int:
 def check_run_fits(model, args, backend: str, train, evals) -> None:
     """Every dataset a trainer will run (train; eval, or a dict of them) against the model's positions and,
     for the micro-batches of training, evaluation and the reference precompute, the memory of the mask."""
-    from prefixdpo.training_data import loader_settings
+    from prefixdpo.data.inputs import loader_settings
 
     named = {"train": train, **(dict(evals) if isinstance(evals, Mapping) else {"eval": evals})}
     named = {name: examples for name, examples in named.items() if examples}

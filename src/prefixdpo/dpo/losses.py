@@ -6,7 +6,7 @@ over ALL the step's pairs (every micro-batch, every rank), so splitting the step
 micro-batches and summing gives the same value and gradients. Losses coupled to the batch (``sft``
 and ORPO's NLL, the sorted AOT losses, BCO's reward mean) therefore take their batch-level part
 as an argument (``mean_chosen_tokens``, ``partners``, ``delta``) that the caller computes over the
-whole step (:mod:`prefixdpo.objective`); left at its default, the call itself is the whole step.
+whole step (:mod:`prefixdpo.dpo.objective`); left at its default, the call itself is the whole step.
 
 Names follow TRL 1.x ``DPOConfig.loss_type`` and each formula equals TRL 1.16's
 ``DPOTrainer._compute_loss`` on one batch holding the step's pairs (the mean over pairs of our
@@ -16,7 +16,7 @@ and ``orpo`` follow TRL's experimental ``CPOTrainer.cpo_loss`` / ``ORPOTrainer.o
 Argument names: ``*_logps`` are summed log-probs of a response's tokens; ``*_logratios`` are
 ``policy - reference`` log-probs; ``*_scores`` are log-ratios after the f-divergence transform
 (:func:`f_divergence_scores`; the log-ratios themselves for standard DPO); ``*_lengths`` are
-response token counts. The registry, validation and step context live in :mod:`prefixdpo.objective`.
+response token counts. The registry, validation and step context live in :mod:`prefixdpo.dpo.objective`.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def bco_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: fl
     """BCO on pairs, https://arxiv.org/abs/2404.04656. ``[P] -> [P]``.
 
     ``-logsigmoid(r_c - delta) - logsigmoid(-(r_r - delta))`` with ``r = beta * logratio``.
-    ``delta`` is the running reward mean over training steps (``prefixdpo.objective.BCORunningMean``);
+    ``delta`` is the running reward mean over training steps (``prefixdpo.dpo.objective.BCORunningMean``);
     TRL 1.16 dropped it, which is ``delta = 0`` here (the default).
     """
     r_c, r_r = beta * chosen_logratios, beta * rejected_logratios

@@ -14,7 +14,9 @@ import torch
 
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.forward import base_model, compute_response_logps, prepare_model, text_config
+from prefixdpo.core.model_checks import base_model, prepare_model, text_config
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 
 
 def stock_implementation(model) -> str:
@@ -53,6 +55,7 @@ def stock_sequences(model, examples: list[Example]):
 
 def separate_pass_logps(model, examples: list[Example]) -> torch.Tensor:
     """Standard log-prob sums [R] (responses in example order), one plain causal pass per response."""
+    warm_up_vml()  # this may be the process's first forward (prefixdpo.core.vml_warmup)
     sums = []
     for ex, ids in stock_sequences(model, examples):
         logits = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]

@@ -2,7 +2,7 @@
 
 Trainer hands us all micro-batches of one optimizer step before the first forward
 (`PrefixDPOTrainer.get_batch_samples`). We collect what the coupled losses need over the step's pairs on
-every rank, build the step's context once (`prefixdpo.objective.step_context`), and give each micro-batch
+every rank, build the step's context once (`prefixdpo.dpo.objective.step_context`), and give each micro-batch
 its slice (`item["step_context"]`), so packing, gradient accumulation and world size cannot change the loss:
 
 - sft / orpo / RPO need the step's chosen-token total: from the data, no forward;
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.objective import (
+from prefixdpo.dpo.objective import (
     BCORunningMean,
     StepPairs,
     canonical_loss_types,

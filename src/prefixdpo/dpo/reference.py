@@ -37,7 +37,8 @@ from prefixdpo.atomic_io import atomic_path
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.errors import ConfigError
-from prefixdpo.forward import base_model, compute_response_logps, unwrap
+from prefixdpo.core.model_checks import base_model, unwrap
+from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def choose_reference(*, needs_reference: bool, precompute: bool, ref_model, poli
     """The strategy TRL users expect: none for reference-free losses; a given model; the policy's adapter
     off for PEFT; else a frozen copy of the starting policy (TRL's `create_reference_model`); precomputed
     wraps the chosen source."""
-    from prefixdpo.engines_deepspeed import reference_copy
+    from prefixdpo.core.engines_deepspeed import reference_copy
 
     if not needs_reference:
         return NoReference()

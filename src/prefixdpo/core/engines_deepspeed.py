@@ -100,7 +100,7 @@ def reference_deepspeed_config(policy_config: dict, model_config) -> dict:
 def prepare_deepspeed_reference(ref_model, accelerator):
     """`ref_model` (frozen, eval mode) as a DeepSpeed inference engine for the run's ZeRO stage (see the module
     docstring). Call it where the trainer prepares its reference, after `Trainer.__init__` (accelerate's
-    DeepSpeed plugin holds the run's config by then). Returns the engine; `forward.unwrap` reaches the model."""
+    DeepSpeed plugin holds the run's config by then). Returns the engine; `model_checks.unwrap` reaches the model."""
     import deepspeed
 
     plugin = accelerator.state.deepspeed_plugin

@@ -14,9 +14,9 @@ from transformers import AttentionInterface
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.attention.masks import block_mask, dense_mask
-from prefixdpo.attention import varlen
-from prefixdpo.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
+from prefixdpo.core.attention.masks import block_mask, dense_mask
+from prefixdpo.core.attention import varlen
+from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"

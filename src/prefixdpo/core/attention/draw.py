@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from prefixdpo.atomic_io import atomic_path
-from prefixdpo.attention.masks import dense_mask
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import Batch
 
 __all__ = ["MASK_COLOURS", "mask_image", "draw_mask"]

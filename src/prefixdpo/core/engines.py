@@ -56,7 +56,7 @@ def refuse_unsupported_engine_options(trainer) -> None:
     """ConfigError for an option the engine would run wrongly: under ZeRO-3 each rank holds only a partition of
     every weight, which TR-DPO's in-place reference update and a reference table built outside the engine
     would read as if whole."""
-    from prefixdpo.engines_deepspeed import zero_stage
+    from prefixdpo.core.engines_deepspeed import zero_stage
 
     if zero_stage(trainer.accelerator) != 3:
         return
@@ -96,7 +96,7 @@ def prepare_reference_for_engine(ref_model, accelerator):
         ref_model.to(accelerator.device)
         return prepare_fsdp(ref_model, accelerator)
     if kind == DistributedType.DEEPSPEED:
-        from prefixdpo.engines_deepspeed import prepare_deepspeed_reference
+        from prefixdpo.core.engines_deepspeed import prepare_deepspeed_reference
 
         return prepare_deepspeed_reference(ref_model, accelerator)
     return ref_model.to(accelerator.device)

@@ -1,4 +1,4 @@
-"""Training/eval metrics with TRL's names, summed per pair and reduced across ranks.
+"""Training/eval metric sums, reduced across ranks when logged (each method names its own metrics).
 
 Every metric is kept as a running *sum* plus counts, and turned into a mean only when logged, after
 one all-reduce of the sums: so metrics are pair-weighted over the logging interval and over all
@@ -11,35 +11,16 @@ import time
 
 import torch
 
-from prefixdpo.losses import rewards
 
-# per-pair sums -> logged as sum / pairs, under TRL's names
-PAIR_METRICS = (
-    "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
-)
+# what every trainer counts per micro-batch (throughput, tokens saved, packing), beside its own metric sums
 COUNTS = ("pairs", "real_tokens", "slots", "shared_tokens", "unshared_tokens", "loss_sum")
 
 
-def pair_metric_sums(policy_c, policy_r, ref_c, ref_r, len_c, len_r, beta: float) -> dict[str, float]:
-    """Sums over the pairs of one micro-batch (all inputs [P]; ref_* None for reference-free losses).
-
-    One `.tolist()` for all six sums: each `.item()` would be a device sync on GPU, every micro-batch.
-    """
-    r_c = rewards(policy_c, ref_c, beta, len_c).detach()
-    r_r = rewards(policy_r, ref_r, beta, len_r).detach()
-    sums = torch.stack([
-        r_c.sum(), r_r.sum(), (r_c - r_r).sum(), (r_c > r_r).to(r_c.dtype).sum(),
-        policy_c.detach().sum(), policy_r.detach().sum(),
-    ]).tolist()
-    keys = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-            "logps/chosen", "logps/rejected")
-    return dict(zip(keys, sums))
-
-
 class MetricSums:
-    """Running sums of the metrics of one split ('train' or 'eval') between two logs."""
+    """Running sums of the metrics of one split ('train' or 'eval') between two logs. A method's subclass
+    names its sums in `KEYS` (with `COUNTS`) and turns the reduced sums into its logged metrics (`means`)."""
 
-    KEYS = PAIR_METRICS + COUNTS
+    KEYS: tuple[str, ...] = COUNTS
 
     def __init__(self) -> None:
         self.last_pairs = 0.0  # pairs (all ranks) of the last summary
@@ -61,9 +42,8 @@ class MetricSums:
         return dict(zip(self.KEYS, t.tolist()))
 
     def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
-        """The split's own metrics from the reduced sums (a subclass logs others; every rank calls this)."""
-        pairs = max(totals["pairs"], 1.0)
-        return {k: totals[k] / pairs for k in PAIR_METRICS}
+        """The method's own metrics from the reduced sums (every rank calls this)."""
+        return {}
 
     def summary(self, accelerator=None, prefix: str = "", with_loss: bool = False) -> dict[str, float]:
         """Means under TRL's names plus throughput and token-efficiency metrics; resets the sums."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixdpo.attention.segments import _segments
+from prefixdpo.core.attention.segments import _segments
 from prefixdpo.errors import ConfigError
 
 try:

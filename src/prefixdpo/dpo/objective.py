@@ -9,7 +9,7 @@ more. Losses coupled to the batch need a little of the whole step, carried by :c
 - ``sft`` (also ORPO's NLL, and RPO = another loss + weighted ``sft``): the step's chosen tokens
   per pair (from the data plan; no extra forward);
 - ``aot`` / ``aot_unpaired``: each pair's quantile partner among the step's detached margins /
-  log-ratios (:func:`prefixdpo.losses.quantile_partners`); needs :class:`StepPairs`;
+  log-ratios (:func:`prefixdpo.dpo.losses.quantile_partners`); needs :class:`StepPairs`;
 - ``bco_pair``: delta, the running reward mean over training steps (:class:`BCORunningMean`),
   updated once per training step with all the step's rewards; needs :class:`StepPairs` to train.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from prefixdpo.losses import (
+from prefixdpo.dpo.losses import (
     F_DIVERGENCES,
     LossConfigError,
     aot_loss,
@@ -128,7 +128,7 @@ class LossParams:
       ``w_chosen * w_rejected``, ``w = exp(mean over the response's tokens of log p(y_t) - log sum_v p(v)^2)``
       under the policy, without gradient (TRL's ``use_weighting``; the inputs carry ``wpo_weights``).
     - ``ld_alpha``: LD-DPO's weight of the tokens past the shorter response's length, applied to policy
-      and reference log-prob sums where they are computed (``prefixdpo.step.pair_logps``); ``None``: off.
+      and reference log-prob sums where they are computed (``prefixdpo.dpo.step.pair_logps``); ``None``: off.
     """
 
     beta: float = 0.1
@@ -216,7 +216,7 @@ class StepContext:
     - ``num_pairs``: pairs in the whole step, the divisor of the summed per-pair losses.
     - ``mean_chosen_tokens``: the step's chosen tokens / ``num_pairs`` (``sft``, ``orpo``).
     - ``bco_delta``: BCO's reward mean for this step.
-    - ``aot_partners`` / ``aot_unpaired_partners``: :func:`prefixdpo.losses.quantile_partners`
+    - ``aot_partners`` / ``aot_unpaired_partners``: :func:`prefixdpo.dpo.losses.quantile_partners`
       of the step's policy/reference margins and chosen/rejected log-ratios, each a pair of
       ``[P_step]`` tensors, or of ``[P_local]`` after :meth:`local`; ``None`` when not configured.
     """
@@ -508,7 +508,7 @@ def combined_loss(
 
 def pair_rewards(inputs: PairLogps, beta: float) -> tuple[Tensor, Tensor]:
     """``(chosen_rewards, rejected_rewards)``, each ``[P]``: reference rewards when ``inputs`` has a
-    reference, else length-normalised ones (see :func:`prefixdpo.losses.rewards`)."""
+    reference, else length-normalised ones (see :func:`prefixdpo.dpo.losses.rewards`)."""
     if inputs.has_reference:
         return (
             rewards(inputs.policy_chosen_logps, inputs.ref_chosen_logps, beta),

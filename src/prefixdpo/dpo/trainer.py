@@ -17,20 +17,22 @@ from collections.abc import Mapping
 
 import torch
 
-from prefixdpo.attention.backends import build_attention_mask
-from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, tr_dpo_callback
-from prefixdpo.config import PrefixDPOConfig
-from prefixdpo.config import data_options as default_data_options
-from prefixdpo.engines import prepare_reference_for_engine
-from prefixdpo.fit import check_run_fits
-from prefixdpo.forward import resolve_router_aux_loss_coef, zero_weight_loss
-from prefixdpo.metrics import MetricSums
-from prefixdpo.model_setup import prepare_policy, prepare_reference
-from prefixdpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
-from prefixdpo.step import Objective, pair_logps, pair_losses
-from prefixdpo.step_context import StepContextBuilder
-from prefixdpo.trainer_base import PrefixTrainerBase
-from prefixdpo.training_data import as_examples
+from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.training.nonfinite import NonFiniteLossError
+from prefixdpo.dpo.tr_dpo import tr_dpo_callback
+from prefixdpo.dpo.config import PrefixDPOConfig
+from prefixdpo.dpo.config import data_options as default_data_options
+from prefixdpo.core.engines import prepare_reference_for_engine
+from prefixdpo.core.fit import check_run_fits
+from prefixdpo.core.moe import resolve_router_aux_loss_coef
+from prefixdpo.core.forward import zero_weight_loss
+from prefixdpo.dpo.metrics import DPOMetricSums
+from prefixdpo.training.model_setup import prepare_policy, prepare_reference
+from prefixdpo.dpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
+from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
+from prefixdpo.dpo.step_context import StepContextBuilder
+from prefixdpo.training.base import PrefixTrainerBase
+from prefixdpo.data.inputs import as_examples
 
 __all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
 
@@ -60,7 +62,6 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(PrefixDPOCallback(self))
         self._init_run_state()
         ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
         self.reference = choose_reference(
@@ -88,8 +89,8 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
 
-    def _new_metric_sums(self) -> MetricSums:
-        return MetricSums()
+    def _new_metric_sums(self) -> DPOMetricSums:
+        return DPOMetricSums()
 
     @property
     def ref_model(self):

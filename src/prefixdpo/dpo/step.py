@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixdpo.attention.backends import build_attention_mask
+from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.data.batch import Batch
-from prefixdpo.forward import compute_response_logps
-from prefixdpo.logprobs import ResponseLogps, ld_pair_logps
-from prefixdpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
-from prefixdpo.metrics import pair_metric_sums
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.logprobs import ResponseLogps, ld_pair_logps
+from prefixdpo.dpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
+from prefixdpo.dpo.metrics import pair_metric_sums
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backen
     """Per-pair losses [P] of one micro-batch.
 
     context: the optimizer step's context for losses coupled across pairs (sft, aot, bco_pair; see
-             `prefixdpo.objective`), restricted to this micro-batch's pairs; or a function building it from
+             `prefixdpo.dpo.objective`), restricted to this micro-batch's pairs; or a function building it from
              this batch's PairLogps (evaluation); None when the batch is the whole step (the benchmark).
     """
     pairs, aux_loss = _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size,

@@ -57,7 +57,7 @@ def load_causal_lm(
     bf16: with dtype "auto", load in bfloat16 (what `--bf16` training computes in).
     load_in_4bit: QLoRA's NF4 weights with bfloat16 compute (CUDA + bitsandbytes only).
     attn_implementation: passed to transformers (None = its default; prefixdpo's own attention is set
-        later by `prefixdpo.forward.prepare_model`).
+        later by `prefixdpo.core.model_checks.prepare_model`).
     model_init_kwargs: TRL's `DPOConfig.model_init_kwargs`, more keyword arguments for `from_pretrained`
         (a checkpoint only); they win over the arguments above, with `dtype` strings read as TRL reads them
         (`init_kwargs_dtype`) and `trust_remote_code` taken from them where they set it.

@@ -1,0 +1,138 @@
+"""Run any Hugging Face causal LM on prefix-shared lines and return per-response log-probs.
+
+Everything runs inside the forward of the module the engine wraps (`through_engine`): the model's own
+forward, a forward hook on its decoder that captures the final hidden states, and the LM head applied
+only where a response token is predicted (`logprobs.py`). So DDP, FSDP2 (parameters unsharded only
+between its pre- and post-forward hooks), DeepSpeed ZeRO-3 (parameters gathered per module call),
+PEFT and gradient checkpointing all see one normal call, and the head's weight is the full one.
+`logits_to_keep=1` keeps the model's own head to one position per line; that position doubles as a
+check that our head path equals the model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
+from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
+from prefixdpo.core.moe import recording_router_logits, router_aux_loss
+from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
+from prefixdpo.data.batch import Batch
+
+def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
+    """Call `model` (bare, or wrapped by DDP / FSDP2 / DeepSpeed) with `inputs`, running `body` as the
+    forward of the module the engine wraps: ``body(inner_forward, **inputs)``, where `inner_forward` is
+    that module's own forward (accelerate's mixed-precision wrapper included, if any).
+
+    body returns a dict of tensors: the engines find a forward's output tensors by walking dicts (DDP's
+    unused-parameter search, FSDP2's pre-backward hooks), not arbitrary objects.
+    """
+    warm_up_vml()  # before this process's first forward (prefixdpo.core.vml_warmup); once per process
+    inner = unwrap(model)
+    own = inner.__dict__.get("forward")  # an instance-level forward (accelerate's autocast wrapper) stays in use
+    inner_forward = own if own is not None else inner.forward
+
+    def forward(*args, **kwargs):
+        if args:
+            raise TypeError("prefixdpo passes every model input by keyword")
+        return body(inner_forward, **kwargs)
+
+    inner.forward = forward
+    try:
+        return model(**inputs)
+    finally:
+        if own is not None:
+            inner.forward = own
+        else:
+            del inner.forward
+
+
+def decoder_output(model, inner_forward, **inputs):
+    """Run `inner_forward` (the forward of `unwrap(model)`, inside `through_engine`) with `inputs` and no KV
+    cache; return (the decoder's final hidden states [B, L, D], captured by a hook, and the model's output)."""
+    captured: list[torch.Tensor] = []
+
+    def grab(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = unwrap(model).get_decoder().register_forward_hook(grab)
+    try:
+        out = inner_forward(use_cache=False, **inputs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise UnsupportedModelError(f"expected the decoder to run once, it ran {len(captured)} times")
+    return captured[0], out
+
+
+def final_hidden_states(model, inner_forward, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A causal LM's (hidden [B, L, D], its own logits at the last position [B, V] or None), inside
+    `through_engine`."""
+    # A MoE model asked for router logits computes its aux loss from `attention_mask` read as a [B, L]
+    # padding mask, which ours is not: `recording_router_logits` collects them instead.
+    moe = {"output_router_logits": False} if hasattr(text_config(unwrap(model)), "output_router_logits") else {}
+    # logits_to_keep=1: the model's own head on one position only; we apply ours where needed
+    hidden, out = decoder_output(model, inner_forward, logits_to_keep=1, **inputs, **moe)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return hidden, (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
+
+
+def _batch_inputs(batch: Batch, attention_mask) -> dict:
+    return {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
+
+
+def compute_response_logps(
+    model, batch: Batch, *, backend: str = "auto", chunk_size: int = 1024, attention_mask=None,
+    wpo: bool = False, router_aux: bool = False,
+) -> ResponseLogps:
+    """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
+
+    attention_mask: a prebuilt mask for this batch (shared by policy and reference passes), else built here.
+    wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
+    router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
+    """
+    device = batch.input_ids.device
+    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
+    hf = unwrap(model)
+    check_sequences_fit_window(model, batch)
+    if attention_mask is None:
+        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+
+    def body(inner_forward, **inputs) -> dict:
+        with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
+            hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
+        head = lm_head_fn(hf)
+        if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
+            check_head(head, hidden[:, -1], model_last_logits)
+            hf._prefixdpo_head_checked = True
+        result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
+        if router_aux:
+            result.aux_loss = router_aux_loss(model, router_logits, batch)
+        if model_last_logits is not None and model_last_logits.requires_grad:
+            # FSDP2 crashes in backward (SIGSEGV, torch 2.13 + gloo) when an output of a sharded module (here the
+            # model's own head call) has no path to the loss: give it one, of exactly zero.
+            nothing = model_last_logits.sum() * 0.0
+            result.sums = result.sums + nothing
+            result.per_token = result.per_token + nothing
+        return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if getattr(result, f.name) is not None}
+
+    return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
+
+
+def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
+    """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
+    gradient sync and FSDP's collectives line up on every rank."""
+    def body(inner_forward, **inputs) -> dict:
+        hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
+        # the model's own logits are a function of every parameter (and, under FSDP2, must reach the loss);
+        # a model that returns none gets our head on its last position
+        last = model_last_logits if model_last_logits is not None else lm_head_fn(unwrap(model))(hidden[:, -1])
+        return {"loss": last.sum() * 0.0}
+
+    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    return through_engine(model, body, **_batch_inputs(batch, mask))["loss"]
