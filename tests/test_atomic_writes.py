@@ -116,7 +116,7 @@ def _files(folder):
 
 def test_a_demo_build_that_fails_midway_leaves_no_half_folder(tmp_path, monkeypatch):
     import prefixdpo.demo as demo
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
 
     spec = demo.DemoSpec(num_train=40, num_eval=8, vocab_size=300, hidden_size=32, intermediate_size=64)
     real_write = demo.write_jsonl

@@ -205,7 +205,7 @@ def test_reward_refuses_pack_length_without_packing_too(tmp_path, demo, capsys):
 def test_trls_options_without_effect_are_stated_not_refused(tmp_path, caplog):
     """TRL accepts these silently, so a TRL YAML with them must still run: one warning line each (also ref_cache_dir,
     which only names a place and which a base config may set for every run)."""
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
 
     with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.config"):
         PrefixDPOConfig(output_dir=str(tmp_path), precompute_ref_batch_size=4, discopop_tau=0.1,
@@ -375,10 +375,11 @@ def test_packed_and_unpacked_longest_lines():
 def command_options() -> set[str]:
     """Every option of every prefixdpo command, as `--name` with underscores."""
     from prefixdpo.cli import build_parser
-    from prefixdpo.dpo.config import TrainArgumentParser
-    from prefixdpo.reward.config import reward_argument_parser
+    from prefixdpo.dpo.config import DPO_OPTIONS
+    from prefixdpo.option_parser import OptionParser
+    from prefixdpo.reward.config import REWARD_OPTIONS
 
-    parsers = [TrainArgumentParser(), reward_argument_parser()]
+    parsers = [OptionParser(DPO_OPTIONS), OptionParser(REWARD_OPTIONS)]
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     parsers += list(sub.choices.values())
     return {s.replace("-", "_").replace("__", "--", 1) for p in parsers for s in p._option_string_actions}

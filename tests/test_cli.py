@@ -21,12 +21,12 @@ def test_bad_train_option_is_one_line_and_exit_2(capsys):
 
 
 def test_user_error_raised_inside_a_command_is_one_line_and_exit_2(monkeypatch, capsys):
-    import prefixdpo.dpo.config
+    import prefixdpo.commands.train
 
     def bad_record(*args, **kwargs):
         raise UserError("record 3: chosen and rejected are identical\n(second line of detail)")
 
-    monkeypatch.setattr(prefixdpo.dpo.config, "parse_train_args", bad_record)
+    monkeypatch.setattr(prefixdpo.commands.train, "parse_train_args", bad_record)
     assert main(["train"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["prefixdpo train: error: record 3: chosen and rejected are identical (second line of detail)"]
@@ -34,12 +34,12 @@ def test_user_error_raised_inside_a_command_is_one_line_and_exit_2(monkeypatch, 
 
 @pytest.mark.parametrize("error", [ValueError, RuntimeError, KeyError])
 def test_internal_error_propagates_in_process(monkeypatch, error):
-    import prefixdpo.dpo.config
+    import prefixdpo.commands.train
 
     def broken(*args, **kwargs):
         raise error("internal bug")
 
-    monkeypatch.setattr(prefixdpo.dpo.config, "parse_train_args", broken)
+    monkeypatch.setattr(prefixdpo.commands.train, "parse_train_args", broken)
     with pytest.raises(error, match="internal bug"):
         main(["train"])
 
@@ -48,13 +48,13 @@ def test_internal_error_prints_traceback_and_exits_1():
     """As the console script runs it: a ValueError that is not a UserError is a bug, not bad input."""
     script = textwrap.dedent("""
         import sys
-        import prefixdpo.dpo.config
+        import prefixdpo.commands.train
         from prefixdpo.cli import main
 
         def broken(*args, **kwargs):
             raise ValueError("internal bug")
 
-        prefixdpo.dpo.config.parse_train_args = broken
+        prefixdpo.commands.train.parse_train_args = broken
         sys.exit(main(["train"]))
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -1,4 +1,4 @@
-"""`prefixdpo train`'s option parsing (`TrainArgumentParser`, `parse_train_args`): every option the help
+"""`prefixdpo train`'s option parsing (`OptionParser`, `parse_train_args`): every option the help
 prints is accepted, booleans take `--X`, `--X true|false` and `--no_X`, YAML values are defaults that the
 command line overrides, and the embedded demo's defaults fill only what neither sets."""
 
@@ -14,12 +14,18 @@ import pytest
 import yaml
 
 from prefixdpo.commands.train import DEMO_DEFAULTS, PARSER_KWARGS
-from prefixdpo.dpo.config import DataArguments, ModelArguments, PrefixDPOConfig, TrainArgumentParser, parse_train_args
+from transformers import TrainingArguments
+
+from prefixdpo.commands.train import parse_train_args
+from prefixdpo.dpo.config import DPO_OPTIONS, ModelArguments
+from prefixdpo import PrefixDPOConfig
+from prefixdpo.option_parser import OptionParser
+from prefixdpo.training.options import DataArguments
 from prefixdpo.errors import ConfigError, UserError
 
 DATACLASSES = (PrefixDPOConfig, ModelArguments, DataArguments)
 OUR_FIELDS = {f.name for dc in DATACLASSES for f in fields(dc)} - {
-    f.name for f in fields(PrefixDPOConfig.__mro__[1])  # TrainingArguments' own
+    f.name for f in fields(TrainingArguments)
 }
 
 
@@ -36,7 +42,7 @@ BOOL_FIELDS = _bool_fields()
 
 @pytest.fixture(scope="module")
 def parser():
-    return TrainArgumentParser(**PARSER_KWARGS)
+    return OptionParser(DPO_OPTIONS, **PARSER_KWARGS)
 
 
 def _namespace(parser, argv):
@@ -214,7 +220,7 @@ def test_missing_config_file_and_config_value_errors_are_user_errors(tmp_path):
 
 
 def test_sampling_strategies_we_do_not_implement_are_refused(tmp_path):
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.errors import ConfigError
 
     for strategy in ("random", "sequential"):

@@ -84,7 +84,8 @@ def test_inspect_prepares_lengths_as_train(tmp_path, tok_dir, capsys):
     """An over-long prompt: with train's defaults (max_length 1024, keep_start) the example is dropped and
     counted; with keep_end its prompt is cut so every sequence has max_length tokens, and counted."""
     from prefixdpo.cli import main
-    from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig, data_options
+    from prefixdpo.dpo.config import DataArguments, data_options
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.data.prepare import prepare_examples
 
     tok = build_tiny_tokenizer()

@@ -48,10 +48,10 @@ SCRIPT = textwrap.dedent(
 
     import gc
     from transformers import AutoModelForCausalLM
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.core.engines_deepspeed import zero3_partition_counts
     from prefixdpo.core.model_checks import unwrap
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOTrainer
 
     gc.freeze()  # Trainer.train runs gc.collect(); what is imported so far need not be scanned each time
     ds = None

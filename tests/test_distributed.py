@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.dpo.objective import LOSSES
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOTrainer
 
     import gc
     gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time

@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
     from transformers import TrainerCallback
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.core.engines import local_numel, sharded_parameter_count
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOTrainer
 
     import gc
     gc.freeze()
@@ -204,9 +204,9 @@ def test_fsdp2_resume_equals_uninterrupted_and_exports_a_stock_model(runs):
 def test_fsdp_in_one_cpu_process_is_refused_in_one_line(tmp_path):
     """accelerate would silently train without FSDP here; we refuse, naming what to do."""
     from conftest import make_examples, tiny_model
-    from prefixdpo.dpo.config import PrefixDPOConfig
+    from prefixdpo import PrefixDPOConfig
     from prefixdpo.errors import ConfigError
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOTrainer
 
     args = PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_checkpointing=False,
                            fsdp="full_shard auto_wrap", fsdp_config={"version": 2})

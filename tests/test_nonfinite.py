@@ -35,12 +35,12 @@ from transformers import TrainerCallback
 
 from conftest import make_examples, tiny_model
 from prefixdpo.training.checkpoints import last_good_checkpoint, read_state, seal_checkpoint
-from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.commands.train import parse_train_args
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig
 from prefixdpo.errors import ConfigError
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.training.nonfinite import NonFiniteLossError, check_engine_support, deepspeed_gap
-from prefixdpo.reward.config import PrefixRewardConfig, parse_reward_args
-from prefixdpo.dpo.trainer import PrefixDPOTrainer
+from prefixdpo.commands.reward import parse_reward_args
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -162,7 +162,7 @@ def test_nan_loss_in_an_accumulated_micro_batch_is_never_applied(tmp_path):
 def test_reward_trainer_has_the_guard(tmp_path):
     from test_reward_scores import tiny_reward_model
 
-    from prefixdpo.reward import PrefixRewardTrainer
+    from prefixdpo import PrefixRewardTrainer
 
     args = PrefixRewardConfig(output_dir=str(tmp_path / "rm"), per_device_train_batch_size=2, max_steps=3,
                               logging_steps=1, learning_rate=1e-2, save_strategy="steps", save_steps=1,

@@ -17,8 +17,7 @@ from safetensors.torch import save_file
 
 import prefixdpo.dpo.reference as reference
 from conftest import make_examples, tiny_model
-from prefixdpo.dpo.config import PrefixDPOConfig
-from prefixdpo.dpo.trainer import PrefixDPOTrainer
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 
 SETTINGS = {"dtype": "torch.float32"}
 

@@ -64,7 +64,8 @@ def test_bad_records_are_one_line_errors_naming_the_record(saved, tmp_path, caps
 def test_bad_margins_are_skipped_and_counted_with_invalid_skip(saved, tmp_path):
     from prefixdpo.dpo.config import DataArguments
     from prefixdpo.core.models import load_tokenizer
-    from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
+    from prefixdpo import PrefixRewardConfig
+    from prefixdpo.reward.config import reward_data_options
     from prefixdpo.reward.data import reward_examples
 
     records = [{"prompt": "hello", "chosen": " yes", "rejected": " no", "margin": m} for m in (1.0, None, float("nan"))]
@@ -121,7 +122,8 @@ def test_bench_task_reward_reports_shared_packed_over_paired_packed_with_its_ide
 def test_multi_response_records_give_every_pair_of_the_policy_and_their_margin(saved):
     from prefixdpo.dpo.config import DataArguments
     from prefixdpo.core.models import load_tokenizer
-    from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
+    from prefixdpo import PrefixRewardConfig
+    from prefixdpo.reward.config import reward_data_options
     from prefixdpo.reward.data import pair_margins, reward_examples
 
     records = [{"prompt": "pick one", "completions": [" a", " b", " c"], "scores": [1, 3, 2], "margin": 0.5},

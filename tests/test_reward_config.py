@@ -11,7 +11,8 @@ from typing import get_type_hints
 import pytest
 
 from prefixdpo.errors import ConfigError
-from prefixdpo.reward.config import PrefixRewardConfig, parse_reward_args
+from prefixdpo.commands.reward import parse_reward_args
+from prefixdpo import PrefixRewardConfig
 
 trl = pytest.importorskip("trl")
 

@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_examples
 from test_reward_scores import tiny_reward_model
-from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
+from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
 
 
 def config(tmp_path, name: str, **kw) -> PrefixRewardConfig:
@@ -137,7 +137,7 @@ DDP_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_examples
     from test_reward_scores import tiny_reward_model
-    from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
+    from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
 
     out = sys.argv[1]
     args = PrefixRewardConfig(output_dir=out, per_device_train_batch_size=2, num_train_epochs=2, logging_steps=1,

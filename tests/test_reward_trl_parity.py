@@ -49,7 +49,7 @@ def run_trl(records, tokenizer, model, opts):
 
 def run_ours(records, tokenizer, model, opts):
     """Our per-step logs, and the smallest |r_chosen - r_rejected| seen (accuracy is compared only away from ties)."""
-    from prefixdpo.reward import PrefixRewardConfig, PrefixRewardTrainer
+    from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
 
     gaps = []
 

@@ -19,10 +19,9 @@ import torch
 import test_trl_parity as parity
 from conftest import tiny_model
 from prefixdpo.dpo.tr_dpo import SyncReferenceCallback, tr_dpo_callback
-from prefixdpo.dpo.config import PrefixDPOConfig
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.errors import ConfigError
 from prefixdpo.dpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
-from prefixdpo.dpo.trainer import PrefixDPOTrainer
 from test_trl_parity import REWARD_ATOL, compare, parity_setup, run_ours, run_trl, shared_options
 
 TR_DPO = dict(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)

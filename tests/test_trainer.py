@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.commands.train import parse_train_args
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.errors import UserError
-from prefixdpo.dpo.trainer import NonFiniteLossError, PrefixDPOTrainer
+from prefixdpo.dpo.trainer import NonFiniteLossError
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 

@@ -13,7 +13,8 @@ from typing import get_type_hints
 import pytest
 import torch
 
-from prefixdpo.dpo.config import PrefixDPOConfig, parse_train_args
+from prefixdpo.commands.train import parse_train_args
+from prefixdpo import PrefixDPOConfig
 from prefixdpo.errors import ConfigError
 
 trl = pytest.importorskip("trl")
@@ -74,13 +75,13 @@ def test_trl_defaults_resolve_on_cpu_to_fp32_with_checkpointing_and_no_warnings(
 def test_bf16_default_follows_the_device(monkeypatch):
     import transformers.utils
 
-    from prefixdpo.dpo.config import _device_has_bf16
+    from prefixdpo.training.options import device_has_bf16
 
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: True)
-    assert _device_has_bf16(use_cpu=False) is True
-    assert _device_has_bf16(use_cpu=True) is False  # use_cpu: fp32 even on a bf16 GPU machine
+    assert device_has_bf16(use_cpu=False) is True
+    assert device_has_bf16(use_cpu=True) is False  # use_cpu: fp32 even on a bf16 GPU machine
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
-    assert _device_has_bf16(use_cpu=False) is False
+    assert device_has_bf16(use_cpu=False) is False
 
 
 def test_trl_options_parse_and_reach_the_loss_params(tmp_path):
@@ -196,7 +197,7 @@ def test_a_trl_dpo_yaml_runs_unchanged_and_means_what_trl_reads(tmp_path, capsys
 
     from prefixdpo.cli import main
     from prefixdpo.demo import build_demo
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOTrainer
 
     base = build_demo(tmp_path / "base")
     data = tmp_path / "prefs.jsonl"

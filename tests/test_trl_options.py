@@ -26,11 +26,10 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.dpo.config import PrefixDPOConfig
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import pack_in_order
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.dpo.trainer import PrefixDPOTrainer
 from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, compare, parity_records, shared_options, step_logs
 
 # ---------------------------------------------------------------------------------------------

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.dpo.config import PrefixDPOConfig
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, empty_batch, pack_in_order, plan_epoch
 from prefixdpo.data.packing import RowTooLongError, plan_packs
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
 # ---------------------------------------------------------------------------------------------
 # the sampling strategy, in the loader

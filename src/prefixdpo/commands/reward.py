@@ -17,7 +17,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import _fmt
+from prefixdpo.commands.train import format_metric
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -42,19 +42,28 @@ def register(subparsers) -> None:
 
 
 def _parser_kwargs() -> dict:
-    from prefixdpo.commands.train import _HelpFormatter
+    from prefixdpo.commands.train import HelpFormatter
 
-    return {"prog": "prefixdpo reward", "usage": USAGE, "description": __doc__, "formatter_class": _HelpFormatter}
+    return {"prog": "prefixdpo reward", "usage": USAGE, "description": __doc__, "formatter_class": HelpFormatter}
+
+
+def parse_reward_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
+    """`prefixdpo reward`'s options: (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)."""
+    from prefixdpo.option_parser import parse_options
+    from prefixdpo.reward.config import REWARD_OPTIONS
+
+    return parse_options(REWARD_OPTIONS, argv, demo_defaults=demo_defaults, **_parser_kwargs())
 
 
 def run(args) -> int:
-    from prefixdpo.reward.config import parse_reward_args, reward_argument_parser, reward_data_options
+    from prefixdpo.option_parser import OptionParser
+    from prefixdpo.reward.config import REWARD_OPTIONS, reward_data_options
 
     argv = list(getattr(args, "extra_argv", []))
     if any(a in ("-h", "--help") for a in argv):
-        reward_argument_parser(**_parser_kwargs()).print_help()
+        OptionParser(REWARD_OPTIONS, **_parser_kwargs()).print_help()
         return 0
-    config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS, **_parser_kwargs())
+    config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS)
 
     from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.data import reward_examples
@@ -99,13 +108,13 @@ def run(args) -> int:
     print(f"Engine: {trainer.engine_description}")
     if held_out:
         metrics = trainer.evaluate()
-        print(f"Held-out pairwise accuracy (eval_accuracy): {_fmt(metrics.get('eval_accuracy'))} on "
+        print(f"Held-out pairwise accuracy (eval_accuracy): {format_metric(metrics.get('eval_accuracy'))} on "
               f"{sum(len(ex.pairs) for ex in held_out)} pairs; "
-              f"eval_loss {_fmt(metrics.get('eval_loss'))}; eval_margin {_fmt(metrics.get('eval_margin'))}")
+              f"eval_loss {format_metric(metrics.get('eval_loss'))}; eval_margin {format_metric(metrics.get('eval_margin'))}")
     else:
         logged = [h for h in trainer.state.log_history if "accuracy" in h]
         print(f"No held-out split (pass --dataset_test_split NAME); last training accuracy: "
-              f"{_fmt(logged[-1]['accuracy'] if logged else None)}")
+              f"{format_metric(logged[-1]['accuracy'] if logged else None)}")
     print(f"Reward model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
     sys.stdout.flush()
     return 0

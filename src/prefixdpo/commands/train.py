@@ -52,26 +52,35 @@ def register(subparsers) -> None:
     p.set_defaults(func=run, pass_through=True)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Option defaults shown, the description printed as written."""
 
 
 PARSER_KWARGS = {"prog": "prefixdpo train", "usage": USAGE, "description": __doc__,
-                 "formatter_class": _HelpFormatter}
+                 "formatter_class": HelpFormatter}
 
 
-def _fmt(value) -> str:
+def format_metric(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
+    """`prefixdpo train`'s options: (PrefixDPOConfig, ModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
+    from prefixdpo.dpo.config import DPO_OPTIONS
+    from prefixdpo.option_parser import parse_options
+
+    return parse_options(DPO_OPTIONS, argv, demo_defaults=demo_defaults, **PARSER_KWARGS)
+
+
 def run(args) -> int:
-    from prefixdpo.dpo.config import TrainArgumentParser, data_options, parse_train_args
+    from prefixdpo.dpo.config import DPO_OPTIONS, data_options
+    from prefixdpo.option_parser import OptionParser
 
     argv = list(getattr(args, "extra_argv", []))
     if any(a in ("-h", "--help") for a in argv):
-        TrainArgumentParser(**PARSER_KWARGS).print_help()
+        OptionParser(DPO_OPTIONS, **PARSER_KWARGS).print_help()
         return 0
-    config, model_args, data_args = parse_train_args(argv, demo_defaults=DEMO_DEFAULTS, **PARSER_KWARGS)
+    config, model_args, data_args = parse_train_args(argv, demo_defaults=DEMO_DEFAULTS)
     demo_model = model_args.model_name_or_path is None
     demo_data = data_args.dataset_name is None
 
@@ -128,12 +137,12 @@ def run(args) -> int:
     if prepared.eval_examples:
         metrics = trainer.evaluate()
         accuracy = metrics.get("eval_rewards/accuracies")
-        print(f"Held-out reward accuracy (eval_rewards/accuracies): {_fmt(accuracy)} "
-              f"on {len(prepared.eval_examples)} pairs; eval_loss {_fmt(metrics.get('eval_loss'))}")
+        print(f"Held-out reward accuracy (eval_rewards/accuracies): {format_metric(accuracy)} "
+              f"on {len(prepared.eval_examples)} pairs; eval_loss {format_metric(metrics.get('eval_loss'))}")
     else:
         logged = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
         last = logged[-1]["rewards/accuracies"] if logged else None
-        print(f"No held-out split (pass --dataset_test_split NAME); last training reward accuracy: {_fmt(last)}")
+        print(f"No held-out split (pass --dataset_test_split NAME); last training reward accuracy: {format_metric(last)}")
     print(f"Model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
     sys.stdout.flush()
     return 0

@@ -3,8 +3,8 @@ name, type, default and meaning, plus the prefix-sharing options of `PrefixDPOCo
 
 It extends `transformers.TrainingArguments` (every Trainer option works unchanged) with TRL's reward
 defaults (learning_rate 1e-4, logging_steps 10, gradient checkpointing on, bf16 where the device has it).
-`parse_reward_args(["config.yaml", "--center_rewards_coefficient", "0.01"])` reads the options of
-`prefixdpo reward` (YAML, then the command line), with the same parser rules as `prefixdpo train`.
+The command line reads these with `prefixdpo.option_parser.parse_options(REWARD_OPTIONS, argv)`, the same
+parser rules as `prefixdpo train`.
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from prefixdpo.core.attention.backends import BACKENDS
-from prefixdpo.dpo.config import (
-    DataArguments, _device_has_bf16, _pad_multiple, _train_argument_parser, join_cpu_processes,
-    refuse_or_state_options_without_effect,
-)
 from prefixdpo.errors import ConfigError
-from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
+from prefixdpo.training.options import (
+    DataArguments, PrefixSharingOptions, RunSafetyOptions, check_shared_options, resolve_before_trainer_args,
+)
 
 
 @dataclass
-class PrefixRewardConfig(TrainingArguments):
+class PrefixRewardConfig(PrefixSharingOptions, RunSafetyOptions, TrainingArguments):
     """Options of `PrefixRewardTrainer` (TRL `RewardConfig` names + prefix-sharing options + TrainingArguments)."""
 
     # ---- TrainingArguments defaults that TRL's RewardConfig changes ----
@@ -43,12 +40,6 @@ class PrefixRewardConfig(TrainingArguments):
         default=None, metadata={"help": "DDP's find_unused_parameters. Not set: False (every parameter is used "
                                         "in every step)."})
     output_dir: str | None = field(default="prefixdpo-output", metadata={"help": "Where checkpoints and the model go."})
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Train into an output_dir that holds another run (checkpoints or a model with another "
-                          "fingerprint: model, data or options): its checkpoints are deleted first. Off: refused. "
-                          "(The name older TrainingArguments used; transformers 5 dropped it.)"},
-    )
     report_to: None | str | list[str] = field(
         default="none", metadata={"help": "Integrations to report to (tensorboard, wandb, ...; 'none')."})
 
@@ -81,57 +72,16 @@ class PrefixRewardConfig(TrainingArguments):
         default=None, metadata={"help": "Deprecated in TRL: the pad token (default: the tokenizer's, else its "
                                         "EOS token). It decides where a sequence's score is read."})
 
-    # ---- prefix sharing (as PrefixDPOConfig) ----
-    prefix_sharing: bool = field(default=True, metadata={"help": "Prompt once + all responses in one row."})
-    packing: bool = field(default=False, metadata={"help": "Pack several rows per line."})
-    pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
-    attention: str = field(default="auto", metadata={"help": f"Attention backend: {', '.join(BACKENDS)}."})
-    # ---- a run that survives (as PrefixDPOConfig) ----
-    nonfinite: str = field(default="stop", metadata={"help": NONFINITE_HELP, "choices": list(POLICIES)})
-    nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
-
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
 
     def __post_init__(self) -> None:
-        if self.bf16 is None:  # TRL: `not fp16`; here only where the device has bf16 (a CPU run is fp32)
-            self.bf16 = not self.fp16 and _device_has_bf16(self.use_cpu)
-        # TRL's gradient_checkpointing names are transformers' deprecated aliases: set the new ones too
-        self.activation_checkpointing = (self.gradient_checkpointing if self.activation_checkpointing is None
-                                         else self.activation_checkpointing)
-        self.activation_checkpointing_kwargs = (self.activation_checkpointing_kwargs
-                                                or self.gradient_checkpointing_kwargs or {"use_reentrant": False})
-        self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
-        if self.ddp_find_unused_parameters is None:
-            self.ddp_find_unused_parameters = False
-        join_cpu_processes(self)
+        resolve_before_trainer_args(self)
         super().__post_init__()
-        self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of, self.use_cpu)
-        self._check()
-        check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
-
-    def _check(self) -> None:
-        problems = []
-        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
-            problems.append(f"model_init_kwargs={self.model_init_kwargs!r}: expected a JSON object")
-        if self.attention not in BACKENDS:
-            problems.append(f"attention={self.attention!r}: choose one of {', '.join(BACKENDS)}")
+        check_shared_options(self)
         if self.max_length is not None and self.max_length < 1:
-            problems.append(f"max_length={self.max_length}: must be >= 1 (or none)")
-        if self.train_sampling_strategy not in ("random", "sequential"):
-            problems.append(f"train_sampling_strategy={self.train_sampling_strategy!r}: prefixdpo supports "
-                            "'random' and 'sequential'")
+            raise ConfigError(f"max_length={self.max_length}: must be >= 1 (or none)")
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            problems.append(f"center_rewards_coefficient={self.center_rewards_coefficient}: must be >= 0")
-        if str(self.pack_length) != "auto":
-            try:
-                self.pack_length = int(self.pack_length)
-            except ValueError:
-                self.pack_length = -1
-            if self.pack_length < 1:
-                problems.append("pack_length: expected 'auto' or a positive integer")
-        if problems:
-            raise ConfigError("; ".join(problems))
-        refuse_or_state_options_without_effect(self)  # pack_length without packing
+            raise ConfigError(f"center_rewards_coefficient={self.center_rewards_coefficient}: must be >= 0")
 
 
 @dataclass
@@ -177,32 +127,4 @@ def reward_data_options(config: PrefixRewardConfig, data: DataArguments | None =
                        eval_split=data.dataset_test_split, dataset_config=data.dataset_config)
 
 
-def reward_argument_parser(**kwargs):
-    """`prefixdpo train`'s parser (YAML + command line, every boolean as --X/--X false/--no_X, one-line
-    errors) over the reward dataclasses instead of the DPO ones."""
-    train_parser = _train_argument_parser()
-
-    class _RewardTypes(train_parser.__mro__[1]):  # sits between the train parser and TrlParser
-        def __init__(self, _dpo_types, **kw):
-            super().__init__((PrefixRewardConfig, RewardModelArguments, RewardDataArguments), **kw)
-
-    class RewardArgumentParser(train_parser, _RewardTypes):
-        def parse(self, argv):
-            try:
-                return super().parse(argv)
-            except ConfigError as err:
-                raise ConfigError(str(err).replace("prefixdpo train", "prefixdpo reward")) from None
-
-    return RewardArgumentParser(**kwargs)
-
-
-def parse_reward_args(argv: list[str] | None = None, demo_defaults: dict[str, str] | None = None, **parser_kwargs):
-    """`[config.yaml] [--option value ...]` -> (PrefixRewardConfig, RewardModelArguments, RewardDataArguments);
-    `demo_defaults` apply where nothing sets the option and neither a model nor a dataset is named."""
-    argv = list(argv or [])
-    parser = reward_argument_parser(**parser_kwargs)
-    if argv and not argv[0].startswith("-"):
-        parser.read_config_file(argv.pop(0))
-    if demo_defaults and not parser.names_model_or_dataset(argv):
-        parser.set_defaults(**{k: v for k, v in demo_defaults.items() if k not in parser.configured})
-    return parser.parse(argv)
+REWARD_OPTIONS = (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)  # what `prefixdpo reward` parses

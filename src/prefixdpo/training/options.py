@@ -1,0 +1,163 @@
+"""Options every prefixdpo trainer shares, whatever it trains: the prefix-sharing layout, a run that survives,
+the dataset to read, and the checks and TRL-style resolutions (bf16, checkpointing names, padding) that every
+method's config applies. Each method's config (`dpo/config.py`, `reward/config.py`) is a dataclass over
+`transformers.TrainingArguments` that inherits these fields; the command line reads them with
+`prefixdpo.option_parser`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+
+from prefixdpo.core.attention.backends import BACKENDS
+from prefixdpo.errors import ConfigError
+from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
+
+ATTENTION_HELP = ("Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex, segmented (SDPA over allowed "
+                  "blocks only; faster on CPU for long packed lines), varlen (FlashAttention varlen over allowed "
+                  "blocks; CUDA, bf16/fp16).")
+
+
+@dataclass
+class PrefixSharingOptions:
+    """How examples become lines: one prefix-shared row per example, packed or not, and the attention backend."""
+
+    prefix_sharing: bool = field(default=True, metadata={"help": "Prompt once + all responses in one row."})
+    packing: bool = field(
+        default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
+    pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
+    attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
+
+
+@dataclass
+class RunSafetyOptions:
+    """What a run does with a non-finite step, and with an output_dir that holds another run."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that holds another run (checkpoints or a model with another "
+                          "fingerprint: model, data or options): its checkpoints are deleted first. Off: refused. "
+                          "(The name older TrainingArguments used; transformers 5 dropped it.)"},
+    )
+    nonfinite: str = field(default="stop", metadata={"help": NONFINITE_HELP, "choices": list(POLICIES)})
+    nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
+
+
+@dataclass
+class DataArguments:
+    """Which dataset, and how records become examples (the rest of `DataOptions` comes from the config)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "HF dataset name, or a .jsonl/.json/.parquet path (default: the demo data).",
+                  "aliases": ["--dataset"]},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split (TRL name)."})
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
+    max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
+    pairs_policy: str = field(
+        default="best_vs_worst",
+        metadata={"help": "Multi-response records: best_vs_worst | best_vs_each | all_pairs."})
+    overlong: str = field(
+        default="truncate",
+        metadata={"help": "Examples with a prompt + response over max_length: truncate or drop."})
+    invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
+
+
+def resolve_before_trainer_args(args) -> None:
+    """TRL's resolutions, applied before `TrainingArguments.__post_init__` sees the options."""
+    if args.bf16 is None:
+        # TRL resolves it to `not fp16`, which TrainingArguments then refuses on a machine without bf16
+        # (a CPU unless use_cpu): here it is on only where the device has bf16, so a CPU run is fp32.
+        args.bf16 = not args.fp16 and device_has_bf16(args.use_cpu)
+    # gradient_checkpointing* are TRL's names; transformers calls them deprecated aliases of
+    # activation_checkpointing* and warns on every config unless the new names are set.
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = args.gradient_checkpointing
+    if not args.activation_checkpointing_kwargs:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with our custom mask.
+        args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+    args.gradient_checkpointing_kwargs = args.activation_checkpointing_kwargs
+    if args.ddp_find_unused_parameters is None:
+        # Every parameter is used in every step; Trainer's None would search when not checkpointing.
+        args.ddp_find_unused_parameters = False
+    join_cpu_processes(args)
+
+
+def check_shared_options(args) -> None:
+    """The shared options' checks, after `TrainingArguments.__post_init__`: one-line `ConfigError`s."""
+    args.pad_to_multiple_of = pad_multiple(args.pad_to_multiple_of, args.use_cpu)
+    if args.model_init_kwargs is not None and not isinstance(args.model_init_kwargs, dict):
+        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r}: expected a JSON object, e.g. "
+                          '\'{"dtype": "bfloat16"}\'')
+    if args.attention not in BACKENDS:
+        raise ConfigError(f"attention={args.attention!r}: choose one of {', '.join(BACKENDS)}")
+    if str(args.pack_length) != "auto":
+        try:
+            args.pack_length = int(args.pack_length)
+        except ValueError:
+            raise ConfigError(f"pack_length={args.pack_length!r}: expected 'auto' or a positive integer") from None
+        if args.pack_length <= 0:
+            raise ConfigError(f"pack_length={args.pack_length}: must be positive")
+        if not args.packing:
+            raise ConfigError(f"pack_length={args.pack_length} has no effect without packing: add --packing true, "
+                              "or leave pack_length out")
+    check_nonfinite_options(args.nonfinite, args.nonfinite_max_consecutive)
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        # Trainer's samplers are replaced by our micro-batch plan; packing is how we group by length.
+        raise ConfigError(f"train_sampling_strategy={args.train_sampling_strategy!r}: prefixdpo supports "
+                          "'random' (a seeded shuffle per epoch) and 'sequential' (file order); --packing "
+                          "groups rows by length")
+
+
+def changed_options(args) -> set[str]:
+    """The names of the fields of `args` set to something other than their default."""
+    values = vars(args)
+    return {f.name for f in fields(args) if f.name in values and values[f.name] != f.default}
+
+
+def state_options_without_effect(lines: list[str]) -> None:
+    """TRL's options that change nothing in this run are accepted as TRL accepts them (a TRL YAML runs
+    unchanged), with one warning line each."""
+    for line in lines:
+        logging.getLogger(__name__).warning("%s", line)
+
+
+def join_cpu_processes(args) -> None:
+    """Several processes (torchrun / accelerate launch) on a machine without an accelerator train together on the
+    CPU (gloo). transformers sets that up only with use_cpu; without it every process would run as a separate
+    single-process run (each its own rank 0), all writing the same output_dir."""
+    import torch
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    if launched and not accelerator and not args.use_cpu:
+        args.use_cpu = True
+        args.ddp_backend = args.ddp_backend or "gloo"
+
+
+def device_has_bf16(use_cpu: bool) -> bool:
+    """Whether the training device computes in bf16 natively (never the CPU: ATen emulates it there, slowly)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return not use_cpu and (is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def pad_multiple(value: int | str | None, use_cpu: bool) -> int | None:
+    """pad_to_multiple_of as TRL resolves it: 'auto' is 128 on Neuron (it compiles once per shape), else None."""
+    if value == "auto":
+        from transformers.utils import is_torch_neuron_available
+
+        return 128 if not use_cpu and is_torch_neuron_available() else None
+    if isinstance(value, str):  # the command line gives text
+        if value.lower() in ("none", "null"):
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"pad_to_multiple_of={value!r}: expected a positive integer, 'auto' or none") from None
+    if value is not None and value < 1:
+        raise ConfigError(f"pad_to_multiple_of={value}: must be >= 1")
+    return value
