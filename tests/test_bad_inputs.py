@@ -173,11 +173,8 @@ def test_mask_over_the_memory_bound_names_the_record_and_a_max_length_that_fits(
                                    "pack_length out"),
         (["--simpo_gamma", "1.0"], "simpo_gamma=1.0 has no effect: it is a parameter of loss_type simpo, not of "
                                    "sigmoid"),
-        (["--lora_alpha", "32"], "lora_alpha=32 has no effect without LoRA (lora_r=0): set --lora_r, e.g. "
-                                 "--lora_r 16, or leave the LoRA options out"),
     ],
-    ids=["pack_length_without_packing", "simpo_gamma_without_simpo",
-         "lora_alpha_without_lora_r"],
+    ids=["pack_length_without_packing", "simpo_gamma_without_simpo"],
 )
 def test_our_options_without_effect_are_refused(tmp_path, demo, capsys, options, message):
     data = write_jsonl(tmp_path / "d.jsonl", demo.records[:4])
@@ -221,6 +218,28 @@ def test_trls_options_without_effect_are_stated_not_refused(tmp_path, caplog):
         "ref_model_sync_steps=8 has no effect without sync_ref_model",
         "precompute_ref_log_probs has no effect: loss_type simpo uses no reference model",
     ]  # the last two use every one of them: nothing said
+
+
+def test_trls_model_and_script_options_without_effect_are_stated_not_refused(tmp_path, caplog):
+    """TRL's LoRA options without --use_peft (the old prefixdpo spelling `--lora_r 16` alone), its 4-bit options
+    without --load_in_4bit, a test split without evaluation, DDP's buffers without DDP: one warning line each."""
+    from prefixdpo.commands.train import parse_train_args
+    from prefixdpo.training.options import script_options_without_effect
+
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.training.options"):
+        config, _, data = parse_train_args(["--output_dir", str(tmp_path), "--lora_r", "8", "--lora_alpha", "16",
+                                            "--use_dora", "--bnb_4bit_quant_type", "fp4", "--dataset_test_split",
+                                            "valid", "--ignore_bias_buffers"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "lora_r=8, lora_alpha=16, use_dora=True have no effect without use_peft (full fine-tuning runs; add "
+        "--use_peft to train LoRA adapters, as TRL)",
+        "bnb_4bit_quant_type=fp4 has no effect without load_in_4bit (the model is not loaded in 4 bit, as TRL)",
+    ]
+    assert script_options_without_effect(config, data) == [
+        "dataset_test_split='valid' has no effect with eval_strategy 'no' (as TRL): set --eval_strategy steps or "
+        "epoch to evaluate on it",
+        "ignore_bias_buffers has no effect: only DDP reads it, and this run is one process",
+    ]
 
 
 def test_missing_eos_advises_only_real_options(tmp_path, demo, capsys):

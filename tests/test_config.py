@@ -17,13 +17,13 @@ from prefixdpo.commands.train import DEMO_DEFAULTS, PARSER_KWARGS
 from transformers import TrainingArguments
 
 from prefixdpo.commands.train import parse_train_args
-from prefixdpo.dpo.config import DPO_OPTIONS, ModelArguments
+from prefixdpo.dpo.config import DPO_OPTIONS, DPOModelArguments
 from prefixdpo import PrefixDPOConfig
 from prefixdpo.option_parser import OptionParser
 from prefixdpo.training.options import DataArguments
 from prefixdpo.errors import ConfigError, UserError
 
-DATACLASSES = (PrefixDPOConfig, ModelArguments, DataArguments)
+DATACLASSES = (PrefixDPOConfig, DPOModelArguments, DataArguments)
 OUR_FIELDS = {f.name for dc in DATACLASSES for f in fields(dc)} - {
     f.name for f in fields(TrainingArguments)
 }
@@ -68,11 +68,20 @@ def test_every_boolean_option_takes_no_flag_bare_flag_and_value(parser, name):
     assert getattr(_namespace(parser, [f"--{name}=true"]), name) is True
 
 
+# Booleans that are refused alone: quantized loading trains only adapters (tested with test_trl_model_config.py,
+# which also tests that dataset_streaming true is refused)
+NEEDS = {"load_in_4bit": ["--use_peft"], "load_in_8bit": ["--use_peft"]}
+REFUSED_WHEN_TRUE = {"dataset_streaming"}
+
+
 def test_boolean_options_of_ours_build_the_config():
     ours = [n for n in BOOL_FIELDS if n in OUR_FIELDS]
-    assert "prefix_sharing" in ours and "load_in_4bit" in ours
+    assert "prefix_sharing" in ours and "load_in_4bit" in ours and "use_peft" in ours
     for name in ours:
-        for argv, value in (([f"--no_{name}"], False), ([f"--{name}"], True), ([f"--{name}", "false"], False)):
+        cases = [([f"--no_{name}"], False), ([f"--{name}", "false"], False)]
+        if name not in REFUSED_WHEN_TRUE:
+            cases.append(([f"--{name}", *NEEDS.get(name, [])], True))
+        for argv, value in cases:
             objs = parse_train_args(argv)
             dc = next(o for o in objs if hasattr(o, name))
             assert getattr(dc, name) is value, argv
@@ -138,7 +147,7 @@ def test_help_names_the_rules(capsys):
 def test_yaml_values_are_defaults_and_the_command_line_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
-        "beta: 0.2\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\npacking: true\nlora-r: 8\n"
+        "beta: 0.2\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\npacking: true\nuse-peft: true\nlora-r: 8\n"
         "learning_rate: 5e-4\n"  # YAML 1.1 reads this as a string: converted like a command-line value
         "model: some/model\nprefix_sharing: false\n"
     )

@@ -54,8 +54,11 @@ def test_bad_requests_are_config_errors(saved):
     path, _ = saved
     with pytest.raises(ConfigError, match="dtype='fp8'"):
         resolve_dtype("fp8")
+    from transformers import BitsAndBytesConfig
+
+    quantized = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)}
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="load_in_4bit"):
-            load_causal_lm(path, load_in_4bit=True)
-    with pytest.raises(ConfigError, match="pretrained checkpoint"):
-        load_causal_lm(saved[1].config, load_in_4bit=True)
+        with pytest.raises(ConfigError, match="^quantization_config needs a CUDA device"):
+            load_causal_lm(path, model_init_kwargs=quantized)
+    with pytest.raises(ConfigError, match="not to a config"):
+        load_causal_lm(saved[1].config, model_init_kwargs=quantized)

@@ -54,8 +54,8 @@ def test_defaults_resolve_on_cpu_without_warnings(tmp_path):
 def test_yaml_then_command_line(tmp_path):
     path = tmp_path / "rm.yaml"
     path.write_text("center_rewards_coefficient: 0.01\nmax_length: 256\npacking: true\npairs_policy: best_vs_each\n")
-    config, model, data = parse_reward_args([str(path), "--max_length", "128", "--model", "m", "--lora_r", "8",
-                                             "--use_cpu"])
+    config, model, data = parse_reward_args([str(path), "--max_length", "128", "--model", "m", "--use_peft",
+                                             "--lora_r", "8", "--use_cpu"])
     assert (config.center_rewards_coefficient, config.max_length, config.packing) == (0.01, 128, True)
     assert model.model_name_or_path == "m" and model.peft_config().task_type == "SEQ_CLS"
     assert data.pairs_policy == "best_vs_each" and data.overlong == "drop"  # TRL filters long records

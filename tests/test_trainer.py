@@ -281,7 +281,8 @@ def test_bad_trainer_input_is_a_user_error(tmp_path):
 
 def test_parse_train_args_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("beta: 0.2\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\npacking: true\nlora_r: 8\n")
+    path.write_text("beta: 0.2\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\npacking: true\nuse_peft: true\n"
+                    "lora_r: 8\n")
     cfg, model_args, data_args = parse_train_args([str(path), "--beta", "0.05", "--pack-length", "256",
                                                    "--output-dir", str(tmp_path / "o")])
     assert cfg.beta == 0.05 and cfg.loss_type == ["sigmoid", "sft"] and cfg.loss_weights == [1.0, 0.5]

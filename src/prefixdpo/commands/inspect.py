@@ -21,20 +21,27 @@ import typing
 from prefixdpo.errors import UserError
 
 
-def _options_from(dataclass_type, names) -> type:
+# inspect reads no eval_strategy: it reports a held-out split when one is named
+TEST_SPLIT = ("dataset_test_split", str | None,
+              dataclasses.field(default=None, metadata={"help": "Also report this held-out split."}))
+
+
+def _options_from(dataclass_type, names, replaced=()) -> type:
     """A dataclass holding only the fields `names` of `dataclass_type` (same types, defaults and help), for
-    `HfArgumentParser`: inspect's options are train's, spelled and defaulted the same."""
+    `HfArgumentParser`: inspect's options are train's, spelled and defaulted the same, except the `replaced`
+    (name, type, field) ones."""
     hints = typing.get_type_hints(dataclass_type)
+    own = {name: (name, hint, spec) for name, hint, spec in replaced}
     return dataclasses.make_dataclass(
         f"{dataclass_type.__name__}Subset",
-        [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+        [own.get(f.name) or (f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
          for f in dataclasses.fields(dataclass_type) if f.name in names],
     )
 
 
 def _train_options():
     """The `PrefixDPOConfig` / `DataArguments` fields inspect takes from train: every DataArguments field but
-    the dataset (DATASET here); the config fields `data_options` passes on (those named like a `DataOptions`
+    the dataset (DATASET here) and those of a training run only (streaming, DDP buffers); the config fields `data_options` passes on (those named like a `DataOptions`
     field: max_length, truncation_mode); `pack_length` for the packing figure; `trust_remote_code`."""
     from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig
     from prefixdpo.data.prepare import DataOptions
@@ -42,8 +49,9 @@ def _train_options():
     option_names = {f.name for f in dataclasses.fields(DataOptions)}
     config_names = {f.name for f in dataclasses.fields(PrefixDPOConfig) if f.name in option_names}
     config_names |= {"pack_length", "trust_remote_code"}
-    data_names = {f.name for f in dataclasses.fields(DataArguments)} - {"dataset_name"}
-    return _options_from(PrefixDPOConfig, config_names), _options_from(DataArguments, data_names)
+    data_names = {f.name for f in dataclasses.fields(DataArguments)} - {
+        "dataset_name", "dataset_streaming", "ignore_bias_buffers"}
+    return _options_from(PrefixDPOConfig, config_names), _options_from(DataArguments, data_names, [TEST_SPLIT])
 
 
 def register(subparsers) -> None:
@@ -95,8 +103,10 @@ def run(args) -> int:
     # The same dataclasses and `data_options` as train, so validation, defaults and preparation are train's.
     # packing=True: inspect always reports the packed figure, so its pack_length has an effect
     config = PrefixDPOConfig(packing=True, **{name: getattr(args, name) for name in args.config_fields})
-    data = DataArguments(dataset_name=args.dataset, **{name: getattr(args, name) for name in args.data_fields})
-    options = data_options(config, data)
+    data = {name: getattr(args, name) for name in args.data_fields}
+    test_split = data.pop("dataset_test_split")
+    options = data_options(config, DataArguments(dataset_name=args.dataset, **data))
+    options.eval_split = test_split
     from prefixdpo.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=config.trust_remote_code)

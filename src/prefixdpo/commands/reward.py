@@ -6,8 +6,11 @@ The model is any decoder checkpoint, loaded as an `AutoModelForSequenceClassific
 reads (standard, conversational, implicit prompt, multi-response with a pairs policy), with an optional
 `margin` column. Without `--model` and `--dataset`: the embedded default (the DPO demo's locally built
 model and rule-following data), with hyper-parameters suited to it (`make demo-reward`). Every other option
-is a `PrefixRewardConfig` / `RewardModelArguments` / `RewardDataArguments` field, spelled with dashes or
-underscores, from the YAML file or the command line (command line wins).
+is a `PrefixRewardConfig` / `RewardModelArguments` / `RewardDataArguments` field (TRL's `RewardConfig`,
+`ModelConfig` and `ScriptArguments` names: a `trl reward` command runs as `prefixdpo reward`), spelled with
+dashes or underscores, from the YAML file or the command line (command line wins). LoRA adapters train
+exactly when `--use_peft` is given, for sequence classification (`--lora_task_type SEQ_CLS`, the default
+here: the score head trains fully); QLoRA adds `--load_in_4bit` (CUDA + bitsandbytes).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import format_metric
+from prefixdpo.commands.train import NO_HELD_OUT, format_metric
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -64,6 +67,15 @@ def run(args) -> int:
         OptionParser(REWARD_OPTIONS, **_parser_kwargs()).print_help()
         return 0
     config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS)
+    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
+
+    state_options_without_effect(script_options_without_effect(config, data_args)
+                                 + model_args.options_without_effect_in(config))
+    # TRL's own PEFT (task SEQ_CLS: the score head trains fully) and quantization configs, refused here where
+    # they cannot be used
+    peft_config = model_args.peft_config()
+    load_kwargs = model_args.from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code,
+                                                    config.local_process_index)
 
     from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.data import reward_examples
@@ -78,10 +90,9 @@ def run(args) -> int:
         demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
         print(f"Embedded default built in {demo.model_dir.parent}.")
     name = model_args.model_name_or_path or str(demo.model_dir)
-    revision = (config.model_init_kwargs or {}).get("revision")
-    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code, revision=revision)
-    model = load_reward_model(name, dtype=model_args.dtype, trust_remote_code=config.trust_remote_code,
-                              model_init_kwargs=config.model_init_kwargs, seed=config.seed)
+    tokenizer = load_tokenizer(name, trust_remote_code=load_kwargs["trust_remote_code"],
+                               revision=load_kwargs.get("revision"))
+    model = load_reward_model(name, model_init_kwargs=load_kwargs, seed=config.seed)
 
     options = reward_data_options(config, data_args)
     source = data_args.dataset_name
@@ -101,7 +112,11 @@ def run(args) -> int:
     print(f"Reward model: {name} ({type(model).__name__}, {params / 1e6:.2f}M parameters); {len(train)} training "
           f"examples; output: {config.output_dir}", flush=True)
     trainer = PrefixRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=held_out,
-                                  processing_class=tokenizer, peft_config=model_args.peft_config())
+                                  processing_class=tokenizer, peft_config=peft_config)
+    if data_args.ignore_bias_buffers:
+        from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
+
+        ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's scripts
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     print()
@@ -113,8 +128,7 @@ def run(args) -> int:
               f"eval_loss {format_metric(metrics.get('eval_loss'))}; eval_margin {format_metric(metrics.get('eval_margin'))}")
     else:
         logged = [h for h in trainer.state.log_history if "accuracy" in h]
-        print(f"No held-out split (pass --dataset_test_split NAME); last training accuracy: "
-              f"{format_metric(logged[-1]['accuracy'] if logged else None)}")
+        print(f"{NO_HELD_OUT}; last training accuracy: {format_metric(logged[-1]['accuracy'] if logged else None)}")
     print(f"Reward model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
     sys.stdout.flush()
     return 0

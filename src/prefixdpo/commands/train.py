@@ -3,10 +3,13 @@
 Without `--model` the model is the embedded default (a small Llama built locally, `prefixdpo.demo`);
 without `--dataset` the data is the default's generated preference set. With neither, the run uses
 hyper-parameters suited to that random-init model (any of them can still be overridden); this is what
-`make demo` runs. Every other option is a `PrefixDPOConfig` / `ModelArguments` / `DataArguments` field,
+`make demo` runs. Every other option is a `PrefixDPOConfig` / `DPOModelArguments` / `DataArguments` field
+(TRL's `DPOConfig`, `ModelConfig` and `ScriptArguments` names: a `trl dpo` command runs as `prefixdpo train`),
 spelled with dashes or underscores, from the YAML file or the command line (command line wins).
 Every boolean option X also takes `--X true|false` and `--no_X`; an option whose default is None
-takes `none` (e.g. `--max_length none`).
+takes `none` (e.g. `--max_length none`). LoRA adapters train exactly when `--use_peft` is given, with
+TRL's `--lora_*` options (`--lora_r` alone changes nothing, as in TRL: a warning says so); QLoRA adds
+`--load_in_4bit` (CUDA + bitsandbytes).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ DEMO_DEFAULTS: dict[str, str] = {
     "bf16": "false",
 }
 
+NO_HELD_OUT = "No held-out split (set --eval_strategy steps or epoch to evaluate on --dataset_test_split, as TRL)"
+
 USAGE = "prefixdpo train [config.yaml] [--model NAME_OR_PATH] [--dataset NAME_OR_PATH] [--output-dir DIR] [--OPTION VALUE ...]"
 
 
@@ -65,7 +70,7 @@ def format_metric(value) -> str:
 
 
 def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
-    """`prefixdpo train`'s options: (PrefixDPOConfig, ModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
+    """`prefixdpo train`'s options: (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
     from prefixdpo.dpo.config import DPO_OPTIONS
     from prefixdpo.option_parser import parse_options
 
@@ -81,6 +86,14 @@ def run(args) -> int:
         OptionParser(DPO_OPTIONS, **PARSER_KWARGS).print_help()
         return 0
     config, model_args, data_args = parse_train_args(argv, demo_defaults=DEMO_DEFAULTS)
+    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
+
+    state_options_without_effect(script_options_without_effect(config, data_args)
+                                 + model_args.options_without_effect_in(config))
+    # TRL's own PEFT and quantization configs, refused here (before any work) where they cannot be used
+    peft_config = model_args.peft_config()
+    load_kwargs = model_args.from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code,
+                                                    config.local_process_index)
     demo_model = model_args.model_name_or_path is None
     demo_data = data_args.dataset_name is None
 
@@ -99,10 +112,12 @@ def run(args) -> int:
     if demo_model:
         model_args.model_name_or_path = str(demo.model_dir)
     name = model_args.model_name_or_path
-    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
-                               revision=(config.model_init_kwargs or {}).get("revision"))
-    model = load_causal_lm(name, dtype=model_args.dtype, trust_remote_code=config.trust_remote_code,
-                           load_in_4bit=model_args.load_in_4bit, model_init_kwargs=config.model_init_kwargs)
+    tokenizer = load_tokenizer(name, trust_remote_code=load_kwargs["trust_remote_code"],
+                               revision=load_kwargs.get("revision"))
+    model = load_causal_lm(name, model_init_kwargs=load_kwargs)
+    ref_model = None
+    if model_args.ref_model_name_or_path is not None:  # loaded as the model is, as TRL builds its reference
+        ref_model = load_causal_lm(model_args.ref_model_name_or_path, model_init_kwargs=load_kwargs)
 
     options = data_options(config, data_args)
     if demo_data:
@@ -122,13 +137,17 @@ def run(args) -> int:
           f"{len(prepared.examples)} training pairs; output: {config.output_dir}", flush=True)
     trainer = PrefixDPOTrainer(
         model=model,
-        ref_model=model_args.ref_model_name_or_path,
+        ref_model=ref_model,
         args=config,
         train_dataset=prepared.examples,
         eval_dataset=prepared.eval_examples or None,
         processing_class=tokenizer,
-        peft_config=model_args.peft_config(),
+        peft_config=peft_config,
     )
+    if data_args.ignore_bias_buffers:
+        from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
+
+        ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's script
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
 
@@ -142,7 +161,7 @@ def run(args) -> int:
     else:
         logged = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
         last = logged[-1]["rewards/accuracies"] if logged else None
-        print(f"No held-out split (pass --dataset_test_split NAME); last training reward accuracy: {format_metric(last)}")
+        print(f"{NO_HELD_OUT}; last training reward accuracy: {format_metric(last)}")
     print(f"Model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
     sys.stdout.flush()
     return 0

@@ -17,9 +17,10 @@ from prefixdpo.errors import ConfigError, UserError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype = "auto", bf16: bool = False) -> str | torch.dtype:
-    """`"auto"` (the checkpoint's dtype; bfloat16 when `bf16`), a name in `DTYPES`, or a `torch.dtype`."""
-    if isinstance(dtype, torch.dtype):
+def resolve_dtype(dtype: str | torch.dtype | None = "auto", bf16: bool = False) -> str | torch.dtype | None:
+    """`"auto"` (the checkpoint's dtype; bfloat16 when `bf16`), a name in `DTYPES`, a `torch.dtype`, or None
+    (transformers' default, as TRL's `ModelConfig(dtype=None)` passes it)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if bf16 else "auto"
@@ -38,13 +39,21 @@ def init_kwargs_dtype(value) -> str | torch.dtype | None:
     raise ConfigError(f"model_init_kwargs dtype={value!r}: expected auto, {', '.join(DTYPES)} or a torch.dtype")
 
 
+def check_quantization_available(option: str = "quantization_config") -> None:
+    """A `ConfigError` naming why this machine cannot load a bitsandbytes-quantized model (4/8-bit weights need a
+    CUDA device and the bitsandbytes package); nothing where it can."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{option} needs a CUDA device (bitsandbytes quantizes on the GPU); this machine has none")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{option} needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+
+
 def load_causal_lm(
     name_or_path,
     *,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | None = "auto",
     bf16: bool = False,
     trust_remote_code: bool = False,
-    load_in_4bit: bool = False,
     attn_implementation: str | None = None,
     model_init_kwargs: dict | None = None,
 ):
@@ -53,14 +62,16 @@ def load_causal_lm(
     name_or_path: str / PathLike, or a `PretrainedConfig` (random init; deep-copied, because
         `from_config` stores the config in the model and writes the attention implementation into it,
         so two models built from one config object would share and overwrite each other's settings).
-    dtype: "auto" (the checkpoint's own dtype), "float32" / "bfloat16" / "float16" or a `torch.dtype`.
+    dtype: "auto" (the checkpoint's own dtype), "float32" / "bfloat16" / "float16", a `torch.dtype`, or None
+        (transformers' default).
     bf16: with dtype "auto", load in bfloat16 (what `--bf16` training computes in).
-    load_in_4bit: QLoRA's NF4 weights with bfloat16 compute (CUDA + bitsandbytes only).
     attn_implementation: passed to transformers (None = its default; prefixdpo's own attention is set
         later by `prefixdpo.core.model_checks.prepare_model`).
-    model_init_kwargs: TRL's `DPOConfig.model_init_kwargs`, more keyword arguments for `from_pretrained`
-        (a checkpoint only); they win over the arguments above, with `dtype` strings read as TRL reads them
-        (`init_kwargs_dtype`) and `trust_remote_code` taken from them where they set it.
+    model_init_kwargs: more keyword arguments for `from_pretrained` (a checkpoint only): TRL's
+        `DPOConfig.model_init_kwargs`, or what `ModelArguments.from_pretrained_kwargs` makes of the model options
+        (revision, quantization_config, device_map, ...). They win over the arguments above, with `dtype`
+        strings read as TRL reads them (`init_kwargs_dtype`); a `quantization_config` is refused in one line
+        where this machine cannot load it (`check_quantization_available`).
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -72,22 +83,10 @@ def load_causal_lm(
     if extra:
         if from_config:
             raise ConfigError("model_init_kwargs apply to loading a checkpoint, not to a config to initialise from")
-        if load_in_4bit and "quantization_config" in extra:
-            raise ConfigError("load_in_4bit and model_init_kwargs quantization_config both quantize: set one")
         if "dtype" in extra:
             extra["dtype"] = init_kwargs_dtype(extra["dtype"])
-    if load_in_4bit:
-        if from_config:
-            raise ConfigError("load_in_4bit needs a pretrained checkpoint, not a config to initialise from")
-        if not torch.cuda.is_available():
-            raise ConfigError("load_in_4bit (QLoRA) needs a CUDA device")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("load_in_4bit (QLoRA) needs bitsandbytes (pip install bitsandbytes)")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
+        if extra.get("quantization_config") is not None:
+            check_quantization_available()
     if from_config:
         return AutoModelForCausalLM.from_config(copy.deepcopy(name_or_path), **kwargs)
     check_local_path(name_or_path)

@@ -21,6 +21,8 @@ i-th row of the split, so every later message can name it.
 - `datasets.Dataset`, `datasets.DatasetDict`, or a list of dicts: used as they are.
 - Any other string: a Hub dataset name, `datasets.load_dataset(name, dataset_config, split=split)`.
 - A dict {split name: any of the above}: one source per split.
+- A streamed dataset (`datasets.IterableDataset` / `IterableDatasetDict`) is refused in one line
+  (`STREAMING_REFUSED` says why), never read whole behind the user's back.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ from prefixdpo.errors import ConfigError, UserError
 class DatasetNotFoundError(UserError, FileNotFoundError):
     """A dataset path that does not exist: a user error (one line), still a `FileNotFoundError` to catch."""
 
+
+# Why a streamed dataset cannot train here (the data pipeline, the trainers and `--dataset_streaming` say it).
+STREAMING_REFUSED = (
+    "prefixdpo plans each epoch's micro-batches from every example's length before the first step (packing, "
+    "the same number of micro-batches on every rank, the pairs of each optimizer step), so it needs the whole "
+    "split, and a streamed one is not read whole behind your back: load it without streaming (datasets caches "
+    "it on disk)")
 
 _BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
@@ -233,6 +242,7 @@ def load_records(
     """
     if max_samples is not None and max_samples < 0:
         raise ConfigError(f"max_samples must be >= 0, got {max_samples}")
+    refuse_streamed(source)
     if isinstance(source, dict) and _splits(source) is None and not _looks_like_record(source):  # {split: source}
         name = split or "train"
         if name not in source:
@@ -253,6 +263,15 @@ def load_records(
     if max_samples is not None and max_samples < len(records):
         records = records.select(range(max_samples)) if hasattr(records, "select") else records[:max_samples]
     return records
+
+
+def refuse_streamed(source) -> None:
+    """A `UserError` (`STREAMING_REFUSED`) for a streamed dataset; nothing for any other source."""
+    import sys
+
+    datasets = sys.modules.get("datasets")  # a streamed dataset exists only where datasets is imported
+    if datasets is not None and isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise UserError(f"a streamed dataset ({type(source).__name__}): {STREAMING_REFUSED}")
 
 
 def _looks_like_record(obj: dict) -> bool:

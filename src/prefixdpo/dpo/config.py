@@ -14,7 +14,7 @@ The command line reads these with `prefixdpo.option_parser.parse_options(DPO_OPT
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
@@ -22,8 +22,9 @@ from transformers import TrainingArguments
 from prefixdpo.dpo.losses import LossConfigError
 from prefixdpo.dpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
 from prefixdpo.errors import ConfigError
+from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
-    DataArguments, PrefixSharingOptions, RunSafetyOptions, changed_options, check_shared_options,
+    DataArguments, PrefixSharingOptions, RunSafetyOptions, changed_options, check_shared_options, eval_split,
     resolve_before_trainer_args, state_options_without_effect,
 )
 
@@ -260,44 +261,14 @@ def refuse_or_state_options_without_effect(config) -> None:
 
 
 @dataclass
-class ModelArguments:
-    """Which model to train and how (LoRA)."""
+class DPOModelArguments(ModelArguments):
+    """TRL's `ModelConfig` (`training.model_options.ModelArguments`) and the separate reference model of DPO."""
 
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]}
-    )
-    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Separate reference model (default: a frozen copy)."})
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype as TRL's ModelConfig: float32 (default; "
-                                                        "--bf16 then autocasts), bfloat16, float16, or auto (the "
-                                                        "checkpoint's own)."})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt (default: all linear)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA (CUDA + bitsandbytes only)."})
-
-    def __post_init__(self) -> None:
-        # LoRA's other options without a rank would be silently ignored: full fine-tuning would run instead
-        lora_options = ("lora_alpha", "lora_dropout", "lora_target_modules")
-        unused = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                  if f.name in lora_options and getattr(self, f.name) != f.default]
-        if unused and self.lora_r <= 0:
-            raise ConfigError(f"{', '.join(unused)} has no effect without LoRA (lora_r={self.lora_r}): set "
-                              "--lora_r, e.g. --lora_r 16, or leave the LoRA options out")
-
-    def peft_config(self):
-        """A `peft.LoraConfig` when lora_r > 0, else None."""
-        if self.lora_r <= 0:
-            return None
-        from peft import LoraConfig
-
-        return LoraConfig(
-            r=self.lora_r,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
-            target_modules=self.lora_target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Separate reference model, loaded with the model's from_pretrained arguments (revision, "
+                          "dtype, attn_implementation, quantization, model_init_kwargs) as TRL builds its reference. "
+                          "Not set: a frozen copy of the model (with --use_peft: the model with its adapter off)."})
 
 
 def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
@@ -313,9 +284,9 @@ def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
         pairs_policy=data.pairs_policy,
         max_samples=data.max_samples,
         split=data.dataset_train_split,
-        eval_split=data.dataset_test_split,
+        eval_split=eval_split(config, data),
         dataset_config=data.dataset_config,
     )
 
 
-DPO_OPTIONS = (PrefixDPOConfig, ModelArguments, DataArguments)  # what `prefixdpo train` parses
+DPO_OPTIONS = (PrefixDPOConfig, DPOModelArguments, DataArguments)  # what `prefixdpo train` parses

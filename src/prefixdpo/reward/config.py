@@ -15,8 +15,10 @@ from typing import Any
 from transformers import TrainingArguments
 
 from prefixdpo.errors import ConfigError
+from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
-    DataArguments, PrefixSharingOptions, RunSafetyOptions, check_shared_options, resolve_before_trainer_args,
+    DataArguments, PrefixSharingOptions, RunSafetyOptions, check_shared_options, eval_split,
+    resolve_before_trainer_args,
 )
 
 
@@ -85,28 +87,25 @@ class PrefixRewardConfig(PrefixSharingOptions, RunSafetyOptions, TrainingArgumen
 
 
 @dataclass
-class RewardModelArguments:
-    """Which model to train as a reward model, and how (LoRA on the body; the new score head trains fully)."""
+class RewardModelArguments(ModelArguments):
+    """TRL's `ModelConfig` (`training.model_options.ModelArguments`), with LoRA for sequence classification."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "HF model name or local path, a causal LM or a sequence classifier "
-                                        "(default: the demo model).", "aliases": ["--model"]})
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (default; --bf16 autocasts), "
-                                                            "bfloat16, float16, or auto (the checkpoint's)."})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: all linear layers but the score head)."})
+        default=None, metadata={"help": "HF model name or local path, a causal LM (it gets a new score head) or a "
+                                        "sequence classifier (default: the demo model).", "aliases": ["--model"]})
+    # TRL's default CAUSAL_LM would wrap the reward model so that its new score head never trains (TRL's own
+    # reward docs pass --lora_task_type SEQ_CLS for that reason); SEQ_CLS makes PEFT train the head fully.
+    lora_task_type: str = field(
+        default="SEQ_CLS", metadata={"help": "PEFT task type of the LoRA config (with --use_peft): SEQ_CLS, so the "
+                                             "score head trains fully beside the adapters (TRL's docs pass "
+                                             "--lora_task_type SEQ_CLS for reward models; its default CAUSAL_LM "
+                                             "would leave the new head at its random init)."})
 
-    def peft_config(self):
-        """A sequence-classification `peft.LoraConfig` (PEFT trains the `score` head fully) when lora_r > 0."""
-        if self.lora_r <= 0:
-            return None
-        from peft import LoraConfig
-
-        return LoraConfig(task_type="SEQ_CLS", r=self.lora_r, lora_alpha=self.lora_alpha,
-                          lora_dropout=self.lora_dropout, target_modules=self.lora_target_modules or "all-linear")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.use_peft and self.lora_task_type != "SEQ_CLS":
+            raise ConfigError(f"lora_task_type={self.lora_task_type} would leave the reward model's score head "
+                              "frozen (at its random init for a causal LM): use SEQ_CLS, the default here")
 
 
 @dataclass
@@ -124,7 +123,7 @@ def reward_data_options(config: PrefixRewardConfig, data: DataArguments | None =
     data = data or RewardDataArguments()
     return DataOptions(max_length=config.max_length, overlong=data.overlong, invalid=data.invalid,
                        pairs_policy=data.pairs_policy, max_samples=data.max_samples, split=data.dataset_train_split,
-                       eval_split=data.dataset_test_split, dataset_config=data.dataset_config)
+                       eval_split=eval_split(config, data), dataset_config=data.dataset_config)
 
 
 REWARD_OPTIONS = (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)  # what `prefixdpo reward` parses

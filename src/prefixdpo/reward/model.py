@@ -10,7 +10,7 @@ import contextlib
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.core.model_checks import text_config
 from prefixdpo.training.model_setup import prepare_policy
-from prefixdpo.core.models import init_kwargs_dtype, resolve_dtype
+from prefixdpo.core.models import check_quantization_available, init_kwargs_dtype, resolve_dtype
 
 
 @contextlib.contextmanager
@@ -33,9 +33,13 @@ def _quiet_head_swap():
 def load_reward_model(name_or_path, *, dtype="float32", trust_remote_code: bool = False,
                       model_init_kwargs: dict | None = None, seed: int | None = None):
     """`AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)`; `model_init_kwargs` win
-    (their dtype read as TRL reads it). `seed`: seeds torch first, so the new score head is reproducible
-    (TRL calls `set_seed(args.seed)` before loading for the same reason)."""
+    (their dtype read as TRL reads it; a quantization_config refused in one line where this machine cannot load
+    it). `seed`: seeds torch first, so the new score head is reproducible (TRL calls `set_seed(args.seed)` before
+    loading for the same reason)."""
     from transformers import AutoModelForSequenceClassification
+
+    if (model_init_kwargs or {}).get("quantization_config") is not None:
+        check_quantization_available()
 
     kwargs = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code,
               **(model_init_kwargs or {}), "num_labels": 1}

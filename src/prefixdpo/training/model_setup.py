@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.errors import UserError
+from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.dpo.reference import is_peft_model
 
@@ -42,11 +42,39 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
 
         if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-        model = get_peft_model(model, peft_config)
+        quantized = is_quantized(model)
+        try:
+            model = get_peft_model(model, peft_config)
+        except ValueError as err:  # PEFT's words for a config that does not fit the model (targets not found, ...)
+            raise ConfigError(f"the LoRA config does not fit {type(model).__name__}: "
+                              f"{' '.join(str(err).split())}") from None
+        if quantized:
+            adapters_to_bf16(model)
     if args.disable_dropout:
         disable_dropout(model)
     prepare_model(model, backend)
     return model, tokenizer
+
+
+def is_quantized(model) -> bool:
+    """Whether bitsandbytes loaded `model` in 4 or 8 bit (only quantized models carry these attributes)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def adapters_to_bf16(model) -> None:
+    """QLoRA, as TRL's trainers do: the trainable adapter weights of a quantized model in bf16 (the QLoRA paper's
+    recommendation), except DoRA's magnitude vectors, whose small updates bf16 would round away."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
+
+
+def ignore_bool_buffers_in_ddp(model) -> list[str]:
+    """TRL's `ignore_bias_buffers`: name every boolean buffer of `model` in `_ddp_params_and_buffers_to_ignore`,
+    which DDP reads when it wraps the model, so it neither broadcasts nor syncs them. Returns the names."""
+    names = [name for name, buffer in model.named_buffers() if buffer.dtype == torch.bool]
+    model._ddp_params_and_buffers_to_ignore = names
+    return names
 
 
 def prepare_reference(ref_model, args, *, backend: str, policy_dtype=torch.float32):

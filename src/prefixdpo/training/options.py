@@ -16,7 +16,9 @@ from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTI
 
 ATTENTION_HELP = ("Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex, segmented (SDPA over allowed "
                   "blocks only; faster on CPU for long packed lines), varlen (FlashAttention varlen over allowed "
-                  "blocks; CUDA, bf16/fp16).")
+                  "blocks; CUDA, bf16/fp16). The kernel of prefixdpo's registered attention, which every training "
+                  "and evaluation pass uses whatever the model's attn_implementation (that one only says how the "
+                  "model is loaded).")
 
 
 @dataclass
@@ -44,18 +46,47 @@ class RunSafetyOptions:
     nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
 
 
+IGNORE_BIAS_BUFFERS_HELP = (
+    "DDP: leave the model's boolean buffers (attention-mask/bias buffers some models register) out of DDP's "
+    "buffer broadcast, as TRL's scripts do (the model's _ddp_params_and_buffers_to_ignore; a fix for 'invalid "
+    "scalar type' / in-place errors, https://github.com/huggingface/transformers/issues/22482). Only DDP reads it.")
+
+
 @dataclass
-class DataArguments:
-    """Which dataset, and how records become examples (the rest of `DataOptions` comes from the config)."""
+class ScriptArguments:
+    """TRL 1.16's `ScriptArguments`, field for field: which dataset, which splits (tests/test_trl_model_config.py
+    walks TRL's fields)."""
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "HF dataset name, or a .jsonl/.json/.parquet path (default: the demo data).",
-                  "aliases": ["--dataset"]},
+        metadata={"help": "Path or name of the dataset to load: a Hub name, a .jsonl/.json/.parquet/.csv file or a "
+                          "folder of them (default: the demo data).", "aliases": ["--dataset"]},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Training split (TRL name)."})
-    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset configuration name: the `name` argument of datasets.load_dataset."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to use for training."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "Dataset split to use for evaluation, as TRL: read when eval_strategy is not 'no' (the "
+                          "held-out metrics are then also printed at the end)."})
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "TRL: load the dataset in streaming mode. Refused: prefixdpo plans each epoch's "
+                          "micro-batches from every example's length (packing, equal micro-batches on every rank, "
+                          "the pairs of each step), which needs the whole split."})
+    ignore_bias_buffers: bool = field(default=False, metadata={"help": IGNORE_BIAS_BUFFERS_HELP})
+
+    def __post_init__(self) -> None:
+        if self.dataset_streaming:
+            from prefixdpo.data.loading import STREAMING_REFUSED
+
+            raise ConfigError(f"dataset_streaming is not supported: {STREAMING_REFUSED}")
+
+
+@dataclass
+class DataArguments(ScriptArguments):
+    """TRL's `ScriptArguments` and how records become examples (the rest of `DataOptions` comes from the config)."""
+
     max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
     pairs_policy: str = field(
         default="best_vs_worst",
@@ -64,6 +95,36 @@ class DataArguments:
         default="truncate",
         metadata={"help": "Examples with a prompt + response over max_length: truncate or drop."})
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
+
+
+def eval_split(config, data: ScriptArguments) -> str | None:
+    """The held-out split a run reads, as TRL's scripts choose it: `dataset_test_split` when `eval_strategy` is not
+    'no', else none."""
+    return data.dataset_test_split if config.eval_strategy != "no" else None
+
+
+def script_options_without_effect(config, data: ScriptArguments) -> list[str]:
+    """TRL's script options set to something this run does not use, one line each (accepted, as TRL does)."""
+    lines = []
+    if data.dataset_config is not None and data.dataset_name is not None and is_local(data.dataset_name):
+        lines.append(f"dataset_config={data.dataset_config!r} has no effect: {data.dataset_name} is a local file or "
+                     "folder (a configuration names a subset of a Hub dataset)")
+    if data.dataset_test_split != "test" and eval_split(config, data) is None:
+        lines.append(f"dataset_test_split={data.dataset_test_split!r} has no effect with eval_strategy 'no' (as "
+                     "TRL): set --eval_strategy steps or epoch to evaluate on it")
+    if data.ignore_bias_buffers and not runs_ddp(config):
+        lines.append("ignore_bias_buffers has no effect: only DDP reads it, and this run "
+                     f"{'is one process' if config.world_size == 1 else 'is sharded by FSDP or DeepSpeed'}")
+    return lines
+
+
+def is_local(dataset_name: str) -> bool:
+    return os.path.exists(os.path.expanduser(dataset_name))
+
+
+def runs_ddp(config) -> bool:
+    """Whether Trainer wraps the model in DDP: several processes, neither FSDP nor DeepSpeed."""
+    return config.world_size > 1 and not config.fsdp and not config.deepspeed
 
 
 def resolve_before_trainer_args(args) -> None:
