@@ -31,7 +31,8 @@ def test_plan_covers_every_arch_dtype_backend_and_profile():
     plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"])
     verify = [n for s, n in plan if s == "verify"]
     assert len(verify) == 5 * 2 * 3 and "gemma2 bfloat16 varlen" in verify and "qwen3 float32 flex" in verify
-    assert [n for s, n in plan if s == "train"] == ["llama float32 flex", "llama float32 varlen", "llama float32 sdpa"]
+    assert [n for s, n in plan if s == "train"] == ["llama float32 flex", "llama float32 varlen", "llama float32 sdpa",
+                                                    gpu_check.QLORA_CHECK]
     bench = [n for s, n in plan if s == "bench"]
     assert len(bench) == 7 * 3 and "ultrafeedback-k4 varlen" in bench and "capybara sdpa" in bench
     # Without varlen in the install the plan simply lacks it; sections can be chosen.
@@ -52,6 +53,25 @@ def test_exactness_checks_pass_on_cpu_sdpa_and_report_unsupported_models():
     assert verify.status == "ok" and verify.numbers["logp"] <= 1e-5 and verify.numbers["grad"] > 0, verify.detail
     gemma = gpu_check.verify_check("gemma2", "float32", "sdpa", "cpu")
     assert gemma.status == "n/a" and "soft-capping" in gemma.detail
+
+
+def test_qlora_step_is_skipped_in_one_line_without_bitsandbytes_and_checks_what_it_says(monkeypatch):
+    """Without bitsandbytes (this machine): skipped, naming it. Its code path on CPU with the quantization config
+    taken away (injected): everything trains, and the check fails because no weight is 4-bit."""
+    import importlib.util
+
+    from prefixdpo.dpo.config import DPOModelArguments
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        result = gpu_check.qlora_check("cpu")
+        assert (result.status, result.detail) == ("skipped", "bitsandbytes not installed")
+    monkeypatch.setattr(gpu_check, "QLORA_NEEDS", ("peft", "trl"))
+    monkeypatch.setattr(DPOModelArguments, "quantization_config", lambda self: None)
+    result = gpu_check.qlora_check("cpu", steps=2)
+    assert result.status == "FAIL" and result.detail.startswith("0 4-bit weights on cpu"), result.detail
+    assert result.numbers["adapters_moved"] > 0 and len(result.numbers["losses"]) == 2
+    assert result.numbers["losses"][0] == pytest.approx(0.6931472, abs=1e-2)  # bf16 weights, fp32 compute
+    assert gpu_check.exit_status([result]) == 1
 
 
 def test_table_reports_and_exit_status(tmp_path):

@@ -11,21 +11,24 @@ Three sections, each a list of checks; a table on stdout, and gpu-check.json + g
   (`prefixdpo.core.verify.compare`, the cases and tolerances of `prefixdpo verify`).
 - train: 5 SGD steps in fp32, standard pairs vs prefix-shared packed rows, from the same weights: per-step
   losses and final weights must agree (SGD, not AdamW: Adam's normalisation turns rounding in a
-  near-zero gradient into a full-size step, which would hide the comparison).
+  near-zero gradient into a full-size step, which would hide the comparison). Then QLoRA as
+  `prefixdpo train --use_peft --load_in_4bit` runs it (`qlora_check`), where bitsandbytes, peft and TRL are
+  installed (skipped with one line naming what is missing).
 - bench: `prefixdpo.bench` on a compute-bound Llama shape (hidden 2048, 8 layers, bf16, rows up to 4096
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
   Bench runs stop at the time budget (the rest are listed as skipped); they never fail the run.
 
 Exit status: 1 if a verify or train check fails or raises, else 0. Without CUDA: one line, exit 0.
-Imports only torch, transformers and prefixdpo's own modules (no `datasets`, no TRL): the GPU machine has
-neither.
+Imports only torch, transformers and prefixdpo's own modules (no `datasets`, no TRL): the GPU machine may have
+neither; the QLoRA step imports TRL, peft and bitsandbytes only where all three are installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import platform
@@ -43,8 +46,8 @@ from prefixdpo.atomic_io import atomic_write_text
 from prefixdpo.bench.flops import ModelShape
 
 __all__ = [
-    "ARCHS", "DTYPES", "BENCH_SHAPE", "CheckResult", "attention_backends", "planned_checks", "format_table",
-    "markdown_report", "write_reports", "exit_status", "main",
+    "ARCHS", "DTYPES", "BENCH_SHAPE", "QLORA_CHECK", "CheckResult", "attention_backends", "planned_checks",
+    "format_table", "markdown_report", "write_reports", "exit_status", "main",
 ]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
@@ -57,6 +60,8 @@ BENCH_MAX_LENGTH = 4096
 TRAIN_STEPS = 5
 TRAIN_LOSS_TOL = 1e-5  # fp32, per-pair losses ~0.69
 TRAIN_WEIGHT_TOL = 1e-5  # fp32, after 5 SGD steps that move some weight by > 1e-3 (checked)
+QLORA_CHECK = "llama 4-bit LoRA bfloat16"
+QLORA_NEEDS = ("bitsandbytes", "peft", "trl")  # the quantized load, the adapters, TRL's configs
 FAILING = ("FAIL", "error")
 
 
@@ -91,7 +96,7 @@ def planned_checks(backends: list[str] | None = None, sections=SECTIONS) -> list
     if "verify" in sections:
         plan += [("verify", f"{arch} {dtype} {b}") for arch in ARCHS for dtype in DTYPES for b in backends]
     if "train" in sections:
-        plan += [("train", f"llama float32 {b}") for b in backends]
+        plan += [("train", f"llama float32 {b}") for b in backends] + [("train", QLORA_CHECK)]
     if "bench" in sections:
         plan += [("bench", f"{p} {b}") for p in bench_profiles() for b in backends]
     return plan
@@ -248,6 +253,64 @@ def train_check(backend: str, device: str, steps: int = TRAIN_STEPS) -> CheckRes
     return CheckResult("train", name, "ok" if ok else "FAIL", detail, nums)
 
 
+def qlora_check(device: str, steps: int = 3) -> CheckResult:
+    """QLoRA the way `prefixdpo train --use_peft --load_in_4bit --dtype bfloat16 --bf16 true` runs it: TRL's
+    quantization and PEFT configs built from `DPOModelArguments`, the model loaded in 4 bit by `load_causal_lm` on
+    this process's device, `steps` AdamW steps of `PrefixDPOTrainer` (bf16 on CUDA). Passes when the model holds
+    4-bit weights on `device`, the first loss is ln 2 (the reference is the model with its adapter off), every
+    loss is finite, the adapters moved and the 4-bit base weights did not. Skipped with one line where
+    bitsandbytes, peft or TRL is not installed."""
+    missing = [name for name in QLORA_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        return CheckResult("train", QLORA_CHECK, "skipped", f"{', '.join(missing)} not installed")
+    import math
+    import tempfile
+
+    from prefixdpo.core.models import load_causal_lm
+    from prefixdpo.data.synthetic import synthetic_examples
+    from prefixdpo.dpo.config import DPOModelArguments, PrefixDPOConfig
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_causal_lm("llama", torch.float32, "cpu").save_pretrained(folder)
+        model_args = DPOModelArguments(model_name_or_path=folder, use_peft=True, load_in_4bit=True, dtype="bfloat16",
+                                       lora_r=8, lora_target_modules=["all-linear"])
+        args = PrefixDPOConfig(output_dir=os.path.join(folder, "out"), max_steps=steps, per_device_train_batch_size=2,
+                               learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                               bf16=device == "cuda", disable_tqdm=True, gradient_checkpointing=False, seed=0)
+        model = load_causal_lm(folder, model_init_kwargs=model_args.from_pretrained_kwargs(
+            None, False, args.local_process_index))
+        on_device = next(model.parameters()).device.type == device
+        packed = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+        examples = synthetic_examples("hh-rlhf", 2 * steps, vocab_size=96, seed=1, max_length=48)
+        trainer = PrefixDPOTrainer(model=model, args=args, train_dataset=examples,
+                                   peft_config=model_args.peft_config())
+        adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        now = dict(trainer.model.named_parameters())
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        base_moved = [n for n, p in packed.items() if not torch.equal(now[_peft_name(n, now)].detach(), p)]
+        nums = {"losses": losses, "packed_weights": len(packed), "base_moved": len(base_moved),
+                "adapters_moved": sum(not torch.equal(now[n].detach(), p) for n, p in adapters.items()),
+                "adapter_dtypes": sorted({str(now[n].dtype) for n in adapters})}
+    ok = (bool(packed) and on_device and not base_moved and nums["adapters_moved"] > 0 and len(losses) == steps
+          and all(math.isfinite(x) for x in losses) and abs(losses[0] - math.log(2)) < 1e-2)
+    detail = (f"{len(packed)} 4-bit weights on {device if on_device else 'another device'} (unchanged: "
+              f"{not base_moved}), {nums['adapters_moved']} of "
+              f"{len(adapters)} adapter tensors moved ({', '.join(nums['adapter_dtypes'])}), losses "
+              + " ".join(f"{x:.4f}" for x in losses))
+    return CheckResult("train", QLORA_CHECK, "ok" if ok else "FAIL", detail, nums)
+
+
+def _peft_name(name: str, named: dict) -> str:
+    """A base model parameter's name inside its PEFT wrapper (`base_model.model.` prefix, `.base_layer`)."""
+    prefixed = f"base_model.model.{name}"
+    if prefixed in named:
+        return prefixed
+    module, _, leaf = prefixed.rpartition(".")
+    return f"{module}.base_layer.{leaf}"
+
+
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled so far in this process (each recompile adds one)."""
     from torch._dynamo.utils import counters
@@ -370,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in backends:
             results.append(_guarded("train", f"llama float32 {b}", train_check, b, device))
             log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
+        results.append(_guarded("train", QLORA_CHECK, qlora_check, device))
+        log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
     if "bench" in sections:
         try:
             results += bench_section(backends, device, start + args.budget_s, examples=args.bench_examples,

@@ -41,8 +41,9 @@ def _options_from(dataclass_type, names, replaced=()) -> type:
 
 def _train_options():
     """The `PrefixDPOConfig` / `DataArguments` fields inspect takes from train: every DataArguments field but
-    the dataset (DATASET here) and those of a training run only (streaming, DDP buffers); the config fields `data_options` passes on (those named like a `DataOptions`
-    field: max_length, truncation_mode); `pack_length` for the packing figure; `trust_remote_code`."""
+    the dataset (DATASET here) and those of a training run only (streaming, DDP buffers); the config fields
+    `data_options` passes on (those named like a `DataOptions` field: max_length, truncation_mode);
+    `pack_length` for the packing figure; `trust_remote_code`."""
     from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig
     from prefixdpo.data.prepare import DataOptions
 

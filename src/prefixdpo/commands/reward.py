@@ -90,7 +90,7 @@ def run(args) -> int:
         demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
         print(f"Embedded default built in {demo.model_dir.parent}.")
     name = model_args.model_name_or_path or str(demo.model_dir)
-    tokenizer = load_tokenizer(name, trust_remote_code=load_kwargs["trust_remote_code"],
+    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
                                revision=load_kwargs.get("revision"))
     model = load_reward_model(name, model_init_kwargs=load_kwargs, seed=config.seed)
 

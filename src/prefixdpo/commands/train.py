@@ -112,7 +112,7 @@ def run(args) -> int:
     if demo_model:
         model_args.model_name_or_path = str(demo.model_dir)
     name = model_args.model_name_or_path
-    tokenizer = load_tokenizer(name, trust_remote_code=load_kwargs["trust_remote_code"],
+    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
                                revision=load_kwargs.get("revision"))
     model = load_causal_lm(name, model_init_kwargs=load_kwargs)
     ref_model = None

@@ -66,9 +66,10 @@ class ModelArguments:
         default=0.05, metadata={"help": "LoRA dropout (with --use_peft); 0 while disable_dropout is on, which "
                                         "turns every dropout off, LoRA's included, as TRL."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "LoRA target modules (with --use_peft); one name is a PEFT pattern such as "
-                                        "all-linear. Not set: PEFT's default for the architecture (e.g. q_proj "
-                                        "v_proj for Llama), as TRL."})
+        default=None, metadata={"help": "LoRA target modules (with --use_peft). One name is read as PEFT reads a "
+                                        "string, as TRL passes it: all-linear, or a regex matched against whole "
+                                        "module names (.*q_proj). Not set: PEFT's default for the architecture "
+                                        "(q_proj v_proj for Llama)."})
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "Parameters (not modules) to adapt with LoRA, e.g. MoE expert weights "
                                         "(with --use_peft)."})
@@ -160,7 +161,8 @@ class ModelArguments:
         try:
             return get_quantization_config(self)
         except (ValueError, TypeError, AttributeError) as err:  # e.g. a compute dtype bitsandbytes cannot use
-            raise ConfigError(f"{self.quantized_option} with dtype={self.dtype}: {' '.join(str(err).split())}") from None
+            reason = " ".join(str(err).split())
+            raise ConfigError(f"{self.quantized_option} with dtype={self.dtype}: {reason}") from None
 
     def from_pretrained_kwargs(self, model_init_kwargs: dict | None = None, trust_remote_code: bool = False,
                                device_index: int = 0) -> dict:
