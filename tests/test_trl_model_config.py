@@ -11,7 +11,7 @@
   builds from the same arguments.
 - What cannot run here is refused in one line: quantized loading without CUDA or bitsandbytes, streaming.
 
-A locally built 0.56M-parameter Llama (no downloads). About 3 minutes on 2 busy cores (seven command-line runs;
+A locally built 0.56M-parameter Llama (no downloads). About 25 s on 2 busy cores (seven command-line runs;
 TRL's four usage blocks train 1 or 2 optimizer steps of their own batch settings).
 """
 
@@ -424,6 +424,32 @@ def test_quantized_loading_is_refused_in_one_line_where_it_cannot_run(local, tmp
         "prefixdpo train: error: load_in_8bit and load_in_4bit: use one precision for the base model, not both"]
 
 
+def test_the_python_api_reads_no_held_out_split_from_a_training_dataset(local, tmp_path):
+    """dataset_test_split is the commands' (TRL's scripts'): a trainer given a training file and an evaluation
+    file under eval_strategy steps reads each as given, no 'test' split of the training file."""
+    from prefixdpo import PrefixDPOTrainer
+    from prefixdpo.dpo.config import data_options
+
+    config = _small_config(tmp_path, eval_strategy="steps", eval_steps=1)
+    assert data_options(config).eval_split is None and data_options(config, DataArguments()).eval_split == "test"
+    trainer = PrefixDPOTrainer(model=local.model, args=config, train_dataset=f"{local.data}/train.jsonl",
+                               eval_dataset=f"{local.data}/test.jsonl")
+    assert (len(trainer.train_dataset), len(trainer.eval_dataset)) == (16, 6)
+
+
+def test_the_reward_python_api_reads_no_held_out_split_from_a_training_dataset(local, tmp_path):
+    from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
+    from prefixdpo.reward.config import reward_data_options
+
+    config = PrefixRewardConfig(output_dir=str(tmp_path / "rm"), eval_strategy="steps", eval_steps=1, max_steps=1,
+                                use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    assert reward_data_options(config).eval_split is None
+    assert reward_data_options(config, RewardDataArguments()).eval_split == "test"
+    trainer = PrefixRewardTrainer(model=local.model, args=config, train_dataset=f"{local.data}/train.jsonl",
+                                  eval_dataset=f"{local.data}/validation.jsonl")
+    assert (len(trainer.train_dataset), len(trainer.eval_dataset)) == (16, 8)
+
+
 def test_dataset_config_reaches_load_dataset(local, monkeypatch):
     """A Hub dataset's configuration goes to `datasets.load_dataset` (as TRL's script passes `name=`); on a local
     folder it changes nothing, and a warning line says so."""
@@ -450,6 +476,15 @@ def test_dataset_config_reaches_load_dataset(local, monkeypatch):
     assert script_options_without_effect(config, data) == [
         f"dataset_config='pairs' has no effect: {local.data} is a local file or folder (a configuration names a "
         "subset of a Hub dataset)"]
+
+
+def test_readme_lora_examples_use_trls_flags():
+    """Item 4: the README's commands that set LoRA options also pass --use_peft (the old `--lora_r` alone spelling
+    is gone from the examples; tests/test_bad_inputs.py checks its one warning line)."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    commands = [line for line in readme.read_text().splitlines() if re.match(r"\s*prefixdpo (train|reward)\b", line)]
+    with_lora = [line.split("#")[0] for line in commands if "--lora_" in line.split("#")[0]]
+    assert len(with_lora) >= 2 and all("--use_peft" in line for line in with_lora), with_lora
 
 
 def test_dataset_streaming_is_refused_in_one_line(local, tmp_path, capsys):
@@ -581,15 +616,19 @@ def test_trls_dpo_usage_blocks_run_unchanged(local, tmp_path, monkeypatch, block
         assert (folder / "model.safetensors").is_file() and not (folder / "adapter_config.json").exists()
 
 
-@pytest.mark.parametrize("block", ["Full training", "LoRA"])
+@pytest.mark.parametrize("block", ["Full training", "LoRA", "LoRA, TRL's docs' spelling"])
 def test_trls_reward_usage_blocks_run_unchanged(local, tmp_path, monkeypatch, block):
-    argv = localised(shlex.split(REWARD_BLOCKS[block].replace("\\\n", " ")), "reward", local)
+    """The script's blocks, and its LoRA block as TRL's docs spell it (`--lora_task_type SEQ_CLS` added): both
+    build what TRL builds from the docs' spelling."""
+    text = REWARD_BLOCKS[block.split(",")[0]]
+    docs = ["--lora_task_type", "SEQ_CLS"] if "docs" in block else []
+    argv = localised(shlex.split(text.replace("\\\n", " ")) + docs, "reward", local)
     monkeypatch.chdir(tmp_path)
     code, trainer, out, err = run_command(monkeypatch, argv)
     assert code == 0, err
     assert trainer.state.global_step == 2 and "Held-out pairwise accuracy" in out  # 16 records, batch 8, 1 epoch
     folder = tmp_path / argv[argv.index("--output_dir") + 1]
-    if block == "LoRA":
+    if block.startswith("LoRA"):
         with_task = trl.get_peft_config(trl_model_config([*argv[1:], "--lora_task_type", "SEQ_CLS"]))
         assert lora_fields(trainer.given_peft_config) == lora_fields(with_task)  # what TRL's docs' command builds
         _adapter_only(folder, local.model, trainer)

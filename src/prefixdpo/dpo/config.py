@@ -272,9 +272,11 @@ class DPOModelArguments(ModelArguments):
 
 
 def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
-    """The data pipeline's `DataOptions` from the config (lengths, truncation) and dataset arguments."""
+    """The data pipeline's `DataOptions` from the config (lengths, truncation) and dataset arguments (None: the
+    trainer's own, which reads no held-out split from a training dataset: evaluation data is given apart)."""
     from prefixdpo.data.prepare import DataOptions
 
+    held_out = eval_split(config, data)
     data = data or DataArguments()
     return DataOptions(
         max_length=config.max_length,
@@ -284,7 +286,7 @@ def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
         pairs_policy=data.pairs_policy,
         max_samples=data.max_samples,
         split=data.dataset_train_split,
-        eval_split=eval_split(config, data),
+        eval_split=held_out,
         dataset_config=data.dataset_config,
     )
 

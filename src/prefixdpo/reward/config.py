@@ -117,13 +117,15 @@ class RewardDataArguments(DataArguments):
 
 
 def reward_data_options(config: PrefixRewardConfig, data: DataArguments | None = None):
-    """The data pipeline's `DataOptions` for reward training (lengths from `config`, the rest from `data`)."""
+    """The data pipeline's `DataOptions` for reward training (lengths from `config`, the rest from `data`; None: the
+    trainer's own, which reads no held-out split from a training dataset)."""
     from prefixdpo.data.prepare import DataOptions
 
+    held_out = eval_split(config, data)
     data = data or RewardDataArguments()
     return DataOptions(max_length=config.max_length, overlong=data.overlong, invalid=data.invalid,
                        pairs_policy=data.pairs_policy, max_samples=data.max_samples, split=data.dataset_train_split,
-                       eval_split=eval_split(config, data), dataset_config=data.dataset_config)
+                       eval_split=held_out, dataset_config=data.dataset_config)
 
 
 REWARD_OPTIONS = (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)  # what `prefixdpo reward` parses

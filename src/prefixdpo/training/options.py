@@ -97,10 +97,10 @@ class DataArguments(ScriptArguments):
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
 
 
-def eval_split(config, data: ScriptArguments) -> str | None:
-    """The held-out split a run reads, as TRL's scripts choose it: `dataset_test_split` when `eval_strategy` is not
-    'no', else none."""
-    return data.dataset_test_split if config.eval_strategy != "no" else None
+def eval_split(config, data: ScriptArguments | None) -> str | None:
+    """The held-out split a command reads, as TRL's scripts choose it: `dataset_test_split` when `eval_strategy` is
+    not 'no', else none; none without dataset arguments (the Python API gives its evaluation data apart)."""
+    return data.dataset_test_split if data is not None and config.eval_strategy != "no" else None
 
 
 def script_options_without_effect(config, data: ScriptArguments) -> list[str]:
