@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from prefixdpo.attention.backends import build_attention_mask
-from prefixdpo.callbacks import NonFiniteLossError, PrefixDPOCallback, tr_dpo_callback
+from prefixdpo.callbacks import NonFiniteLossError, tr_dpo_callback
 from prefixdpo.config import PrefixDPOConfig
 from prefixdpo.config import data_options as default_data_options
 from prefixdpo.engines import prepare_reference_for_engine
@@ -60,7 +60,6 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(PrefixDPOCallback(self))
         self._init_run_state()
         ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
         self.reference = choose_reference(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.callbacks import PrefixDPOCallback
 from prefixdpo.data.loader import MicroBatches
 from prefixdpo.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
@@ -65,7 +64,6 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-        self.add_callback(PrefixDPOCallback(self))
         self._init_run_state()
 
     def _as_examples(self, data, tokenizer, name: str):
