@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -249,9 +250,11 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     examples = make_examples(16)
     args = config(tmp_path, save_strategy="steps", save_steps=1)
     trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
+    sigterm = signal.getsignal(signal.SIGTERM)
     # a UserError: the command line prints this one line (naming the last good checkpoint), no traceback
     with pytest.raises(UserError, match="optimizer step 3.*checkpoint-2") as info:
         trainer.train()
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # the preemption handler is gone with the failed run
     assert isinstance(info.value, NonFiniteLossError)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
     from safetensors.torch import load_file

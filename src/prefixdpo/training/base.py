@@ -84,7 +84,8 @@ class PrefixTrainerBase(Trainer):
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
         self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
         drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it (`callbacks.py`)
-        self.add_callback(RunCallback(self))
+        self.run_callback = RunCallback(self)
+        self.add_callback(self.run_callback)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -268,7 +269,10 @@ class PrefixTrainerBase(Trainer):
                                                            type(self).__name__)
         resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
         self.preempted_at = None
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
+            self.run_callback.signals.restore()
         if self.preempted_at is not None:
             folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
             if not os.path.isdir(folder):  # the signal came after the last step's check: save now
