@@ -7,10 +7,30 @@ and makes a move of the core (issue 18) a change to this one file.
 
 from __future__ import annotations
 
+from prefixdpo.atomic_io import TMP_MARK, replace_folder
 from prefixdpo.attention.backends import ATTENTION_NAME, BACKENDS, build_attention_mask, resolve_backend
 from prefixdpo.callbacks import latest_checkpoint
+from prefixdpo.config import _device_has_bf16 as device_has_bf16
+from prefixdpo.config import _train_argument_parser as train_argument_parser
 from prefixdpo.data.batch import PAD_DOC, bucket_length
+from prefixdpo.data.loading import load_records
 from prefixdpo.data.packing import auto_pack_length, plan_packs
+from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from prefixdpo.data.validation import (
+    EMPTY_PROMPT,
+    MISSING_FIELD,
+    WRONG_TYPE,
+    InvalidRecordError,
+    SkipLog,
+    check_messages,
+    check_policy,
+    check_text,
+    handle,
+    is_blank,
+)
+from prefixdpo.demo import WORDS, DemoSpec
+from prefixdpo.demo import _note as note_sentences
+from prefixdpo.demo import build_model as build_demo_model
 from prefixdpo.engines import enable_requested_fsdp, whole_model_state_dict
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.forward import (
@@ -25,29 +45,52 @@ from prefixdpo.forward import (
     unwrap,
 )
 from prefixdpo.logprobs import UnsupportedModelError
+from prefixdpo.models import load_causal_lm, load_tokenizer
 
 __all__ = [
     "ATTENTION_NAME",
     "BACKENDS",
-    "PAD_DOC",
     "ConfigError",
+    "DemoSpec",
+    "EMPTY_PROMPT",
+    "InvalidRecordError",
+    "MISSING_FIELD",
+    "PAD_DOC",
+    "SkipLog",
+    "TMP_MARK",
     "UnsupportedModelError",
     "UserError",
+    "WORDS",
+    "WRONG_TYPE",
     "auto_pack_length",
     "base_model",
     "bucket_length",
     "build_attention_mask",
+    "build_demo_model",
+    "build_tiny_tokenizer",
+    "check_messages",
+    "check_policy",
+    "check_text",
+    "device_has_bf16",
     "enable_requested_fsdp",
     "final_hidden_states",
+    "handle",
+    "is_blank",
     "latest_checkpoint",
+    "load_causal_lm",
+    "load_records",
+    "load_tokenizer",
+    "note_sentences",
     "plan_packs",
     "prepare_model",
     "recording_router_logits",
+    "replace_folder",
     "resolve_backend",
     "restore_stock_attention",
     "sliding_window_of",
     "text_config",
     "through_engine",
+    "train_argument_parser",
     "unwrap",
     "whole_model_state_dict",
 ]
