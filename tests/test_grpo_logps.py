@@ -6,8 +6,9 @@ rule, completions of 1..14 tokens ending at EOS, cut at the width, and one fully
 log-probs and entropies within 1e-5, and the gradients of a weighted sum of both within 1e-5 x the largest
 gradient entry; for a rotary (llama), an absolute-position (gpt2, positions = columns) and a mask-counted-
 position (opt) model, with and without packing, at temperature 1 and 0.7, one forward and TRL's chunked
-forwards; the MoE load-balancing loss of chunked forwards (qwen3-moe) within 1e-6; a pass prefix sharing cannot
-reproduce runs TRL's own method, bit for bit, with one log line.
+forwards, dense-mask SDPA and segmented attention; the MoE load-balancing loss of one and of chunked forwards
+(qwen3-moe) within 1e-6; a pass prefix sharing cannot reproduce runs TRL's own method, bit for bit, with one log
+line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from prefixdpo.grpo.layout import layout_groups, why_not_shared
 
 
 def make_trainer(tmp_path, model, **options):
+    torch.set_num_threads(1)  # tiny models; conftest's fixture restores the thread count
     args = PrefixGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                             max_completion_length=14, use_cpu=True, bf16=False, report_to="none",
                             gradient_checkpointing=False, **options)
@@ -50,14 +52,15 @@ def values_and_grads(pass_fn, model, weights):
     return logps.detach(), entropies.detach(), grads
 
 
-@pytest.mark.parametrize("arch,packing,temperature,batch_size", [
-    ("llama", True, 0.7, None),
-    ("llama", False, 1.0, 3),
-    ("gpt2", True, 1.0, None),
-    ("opt", False, 0.7, 3),
+@pytest.mark.parametrize("arch,packing,temperature,batch_size,attention", [
+    ("llama", True, 0.7, None, "sdpa"),
+    ("llama", False, 1.0, 3, "segmented"),
+    ("gpt2", True, 1.0, None, "sdpa"),
+    ("opt", False, 0.7, 3, "sdpa"),
 ])
-def test_logps_entropies_and_grads_equal_trl(tmp_path, arch, packing, temperature, batch_size):
-    trainer = make_trainer(tmp_path, tiny_causal_lm(arch), packing=packing, temperature=temperature)
+def test_logps_entropies_and_grads_equal_trl(tmp_path, arch, packing, temperature, batch_size, attention):
+    trainer = make_trainer(tmp_path, tiny_causal_lm(arch), packing=packing, temperature=temperature,
+                           attention=attention)
     model = trainer.model
     input_ids, attention_mask, K = rows_with_groups()
     call = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K, batch_size=batch_size,
@@ -142,6 +145,10 @@ def test_layouts_that_are_not_reproduced_are_named():
     gap[0, -K:] = 1
     gap[0, -K + 1] = 0  # the second completion token masked, the rest attended
     assert "after a masked one" in why_not_shared(gap, K)
+    orphan = attention_mask.clone()
+    row = int((attention_mask[:, -K] == 1).nonzero()[0])
+    orphan[row, -K - 1] = 0  # the prompt's last column, which predicts the completion's first token
+    assert "follows a masked prompt column" in why_not_shared(orphan, K)
     assert "no prompt" in why_not_shared(attention_mask, input_ids.shape[1])
 
 

@@ -10,7 +10,8 @@ that moves the weights (the final weights are far from the initial ones, and cli
 - the final weights agree within 1e-4 x the largest weight change;
 - prefix sharing really ran (`prefix_sharing/tokens_saved` > 0 in every logged step).
 GRPO: loss_type dapo, grpo, dr_grpo, and GSPO's sequence-level importance sampling; beta 0 and 0.04; num_iterations
-1 and 2; packing on and off; G = 2, 4, 8 (G = 8 over two accumulation steps, so a micro-batch holds part of a group).
+1 and 2; packing on and off; G = 2, 4, 8 (G = 8 over two accumulation steps, so a micro-batch holds part of a group);
+gradient checkpointing (TRL's default) in one case.
 RLOO: two configurations. Worst relative difference measured (this machine, ATen default/avx2): see REPORT below.
 """
 
@@ -49,10 +50,10 @@ def run(trainer_cls, config_cls, model_dir, out_dir, **options):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    options = {"gradient_checkpointing": False, **options}
     args = config_cls(output_dir=str(out_dir), max_steps=4, logging_steps=1, learning_rate=LR, optim="sgd",
-                      lr_scheduler_type="constant", use_cpu=True,
-                      bf16=False, report_to="none", gradient_checkpointing=False, save_strategy="no", seed=0,
-                      disable_tqdm=True, max_completion_length=10, **options)
+                      lr_scheduler_type="constant", use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      seed=0, disable_tqdm=True, max_completion_length=10, **options)
     trainer = trainer_cls(model=model, reward_funcs=reward_vowel_share, args=args, train_dataset=prompt_dataset(32),
                           processing_class=tokenizer())
     trainer.train()
@@ -83,8 +84,9 @@ def compare(theirs, ours):
 
 
 GRPO_CASES = {
-    "dapo-beta0-iter1-packed-G4": dict(loss_type="dapo", beta=0.0, num_iterations=1, packing=True,
-                                      num_generations=4, per_device_train_batch_size=4),
+    "dapo-beta0-iter1-packed-G4-checkpointing": dict(loss_type="dapo", beta=0.0, num_iterations=1, packing=True,
+                                                    num_generations=4, per_device_train_batch_size=4,
+                                                    gradient_checkpointing=True),
     "grpo-beta-iter2-unpacked-G2": dict(loss_type="grpo", beta=0.04, num_iterations=2, packing=False,
                                         num_generations=2, per_device_train_batch_size=4),
     "dr_grpo-beta-iter1-packed-G8": dict(loss_type="dr_grpo", beta=0.04, num_iterations=1, packing=True,

@@ -52,10 +52,15 @@ def _usage(command: str) -> str:
             "[--reward_funcs NAME ...] [--output-dir DIR] [--OPTION VALUE ...]")
 
 
+_RLOO_WORDS = (("prefixdpo grpo", "prefixdpo rloo"), ("GRPO (TRL 1.16's `GRPOTrainer`)", "RLOO (TRL 1.16's `RLOOTrainer`)"),
+               ("GRPOConfig", "RLOOConfig"), ("TRL GRPO YAML", "TRL RLOO YAML"), ("make demo-grpo", "make demo-rloo"))
+
+
 def _parser_kwargs(command: str) -> dict:
-    description = __doc__ if command == "grpo" else __doc__.replace("prefixdpo grpo", "prefixdpo rloo").replace(
-        "GRPO (TRL 1.16's `GRPOTrainer`)", "RLOO (TRL 1.16's `RLOOTrainer`)").replace("GRPOConfig", "RLOOConfig").replace(
-        "TRL GRPO YAML", "TRL RLOO YAML").replace("make demo-grpo", "make demo-rloo")
+    description = __doc__
+    if command == "rloo":  # the same command over TRL's other trainer
+        for grpo, rloo in _RLOO_WORDS:
+            description = description.replace(grpo, rloo)
     return {"prog": f"prefixdpo {command}", "usage": _usage(command), "description": description,
             "formatter_class": _HelpFormatter}
 

@@ -91,14 +91,17 @@ class GroupModelArguments:
     """The policy (the reference, where beta > 0, is TRL's: the same checkpoint, or the LoRA policy's base)."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]}
+        default=None,
+        metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]},
     )
     dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (default; --bf16 then autocasts), "
                                                             "bfloat16, float16, or auto (the checkpoint's own)."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt (default: all linear)."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt (default: all linear)."}
+    )
 
     def peft_config(self):
         """A `peft.LoraConfig` when lora_r > 0, else None."""

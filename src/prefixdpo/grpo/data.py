@@ -56,7 +56,10 @@ def checked_prompt_record(index: int, record) -> dict:
         fields = ", ".join(sorted(map(str, record))) or "none"
         raise InvalidRecordError(index, MISSING_FIELD, f"no 'prompt' field (fields: {fields})")
     value = record["prompt"]
-    prompt = check_text(index, "prompt", value) if isinstance(value, (str, bytes)) else check_messages(index, "prompt", value)
+    if isinstance(value, (str, bytes)):
+        prompt = check_text(index, "prompt", value)
+    else:
+        prompt = check_messages(index, "prompt", value)
     if is_blank(prompt):
         raise InvalidRecordError(index, EMPTY_PROMPT, "empty prompt")
     return {**record, "prompt": prompt}

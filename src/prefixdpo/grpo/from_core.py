@@ -1,8 +1,13 @@
 """Everything the group-RL package uses from the rest of prefixdpo, in one place.
 
-`prefixdpo.grpo` is a method package: it owns its trainers, options and command, and takes the machinery
-that turns tokens into hidden states from the core. Listing those names here keeps the dependency visible
-and makes a move of the core (issue 18) a change to this one file.
+`prefixdpo.grpo` is a method package: it owns its trainers, options, data checks, demo and command, and takes
+from the rest of prefixdpo only what is listed here:
+- core: the attention rule and its backends, the engine-wrapped forward and its hidden states, the model checks,
+  the MoE router-logit recorder, the engines (FSDP2 on CPU, whole-model export), model/tokenizer loading;
+- data: record loading and per-record validation, bin packing, line-length bucketing, the tiny tokenizer;
+- `prefixdpo train`'s option parser (its rules for YAML, booleans and errors) and bf16 device rule;
+- the DPO demo's model builder and filler sentences; atomic file writes.
+Listing them keeps the dependency visible and makes a move of the core (issue 18) a change to this one file.
 """
 
 from __future__ import annotations

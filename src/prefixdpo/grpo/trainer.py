@@ -63,7 +63,8 @@ class PrefixSharedLogps:
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
         self._fallbacks_noted: set[str] = set()
-        self._sharing_counts = {"train": torch.zeros(3, dtype=torch.float64), "eval": torch.zeros(3, dtype=torch.float64)}
+        # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
+        self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
         if not self._option("prefix_sharing"):
             return
         backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
@@ -88,28 +89,27 @@ class PrefixSharedLogps:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
-        lines = self._lines(model, input_ids, attention_mask, logits_to_keep)
+        backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
+        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend)
         N, L = input_ids.shape
         rows_per_forward = batch_size or N
         # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
         aux_rows = ([torch.arange(s, min(s + rows_per_forward, N), device=input_ids.device)
                      for s in range(0, N, rows_per_forward)] if compute_aux_loss else None)
         settings = trl_head_settings(model, self.temperature, self._cast_head_to_fp32())
-        backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
                                  compute_entropy=compute_entropy, aux_row_chunks=aux_rows)
-        self._count_sharing(lines, N * L)
+        self._count_sharing(lines)
         return result
 
-    def _lines(self, model, input_ids, attention_mask, logits_to_keep) -> GroupLines:
+    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str) -> GroupLines:
         model_type = getattr(text_config(base_model(model)), "model_type", "")
         return layout_groups(
             input_ids, attention_mask, logits_to_keep,
             positions_from_mask=model_type in MASK_POSITION_MODEL_TYPES,
             packing=self._option("packing"), pack_length=self._option("pack_length"),
-            bucket=self._option("attention") in ("flex", "varlen") or (
-                self._option("attention") == "auto" and input_ids.device.type == "cuda"),
+            bucket=backend in ("flex", "varlen"),  # compiled kernels: a few line lengths, multiples of 128
         )
 
     def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
@@ -121,7 +121,8 @@ class PrefixSharedLogps:
             return "the pass has no rows"
         base = base_model(model)
         if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
-            return f"{type(base).__name__} does not run prefixdpo's attention (it was not passed in as the policy or reference)"
+            return (f"{type(base).__name__} does not run prefixdpo's attention (it was not passed in as the policy "
+                    "or the reference)")
         window = sliding_window_of(base)
         if window is not None and input_ids.shape[1] > window:
             return f"rows of {input_ids.shape[1]} columns exceed the model's sliding window of {window}"
@@ -134,7 +135,7 @@ class PrefixSharedLogps:
 
     # ---- what sharing saved -----------------------------------------------------------------------
 
-    def _count_sharing(self, lines: GroupLines, trl_slots: int) -> None:
+    def _count_sharing(self, lines: GroupLines) -> None:
         mode = "train" if self.model.training else "eval"
         self._sharing_counts[mode] += torch.tensor(
             [lines.num_real_tokens, lines.trl_tokens, lines.num_slots], dtype=torch.float64)
