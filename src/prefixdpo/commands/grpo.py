@@ -52,8 +52,9 @@ def _usage(command: str) -> str:
             "[--reward_funcs NAME ...] [--output-dir DIR] [--OPTION VALUE ...]")
 
 
-_RLOO_WORDS = (("prefixdpo grpo", "prefixdpo rloo"), ("GRPO (TRL 1.16's `GRPOTrainer`)", "RLOO (TRL 1.16's `RLOOTrainer`)"),
-               ("GRPOConfig", "RLOOConfig"), ("TRL GRPO YAML", "TRL RLOO YAML"), ("make demo-grpo", "make demo-rloo"))
+_RLOO_WORDS = (("prefixdpo grpo", "prefixdpo rloo"), ("GRPOConfig", "RLOOConfig"), ("TRL GRPO YAML", "TRL RLOO YAML"),
+               ("GRPO (TRL 1.16's `GRPOTrainer`)", "RLOO (TRL 1.16's `RLOOTrainer`)"),
+               ("make demo-grpo", "make demo-rloo"))
 
 
 def _parser_kwargs(command: str) -> dict:
