@@ -165,3 +165,27 @@ def test_fallback_is_trl_exactly_and_said_once(tmp_path, caplog):
     assert torch.equal(ours, theirs)
     said = [r for r in caplog.records if "token_type_ids" in r.getMessage()]
     assert len(said) == 1 and "TRL's own layout" in said[0].getMessage()
+
+
+def test_sliding_window_shorter_than_the_rows_runs_trls_pass(tmp_path, caplog):
+    model = tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    trainer = make_trainer(tmp_path, model)
+    input_ids, attention_mask, K = rows_with_groups()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, K)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, K)
+    assert torch.equal(ours, theirs)
+    assert any("sliding window of 8" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pass_with_every_completion_masked_still_has_a_graph(tmp_path):
+    """As TRL's: zeros that backward runs through (a micro-batch of truncated completions under
+    mask_truncated_completions must not stop training)."""
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups()
+    attention_mask[:, -K:] = 0
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, K,
+                                                                     compute_entropy=True)
+    assert torch.equal(logps, torch.zeros_like(logps)) and torch.equal(entropies, torch.zeros_like(entropies))
+    (logps.sum() + entropies.sum()).backward()
+    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
