@@ -7,7 +7,8 @@ the same whatever the world size. The rest is TRL's: rewards gathered over ranks
 log-prob passes (policy, old policy with num_iterations 2, reference with beta > 0) on prefix-shared, packed rows.
 Asserted over 4 SGD steps: every metric within 1e-5 relative (floor 0.01, as in test_grpo_trl_parity), sampled
 final weights within 1e-5 absolute, the weights moved, and under FSDP2 every parameter was a DTensor sharded
-over the 2 ranks during the steps (each rank held about half the elements).
+over the 2 ranks during the steps (each rank held about half the elements). Measured worst relative metric
+difference (ATen default / avx2): DDP 2.2e-6 / 9.4e-7, FSDP2 1.5e-6 / 9.4e-7. Three launches, ~25 s of CPU.
 """
 
 from __future__ import annotations
