@@ -383,11 +383,10 @@ def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypat
         calls.append(batch.num_responses)
         return torch.arange(batch.num_responses, dtype=torch.float32)
 
-    monkeypatch.setattr(reference, "_dist", lambda: (rank, 3))
+    monkeypatch.setattr(reference, "rank_and_world", lambda: (rank, 3))
     monkeypatch.setattr(reference, "reference_sums", fake_sums)
     others = {i: [0.0] * ex.num_responses for i, ex in enumerate(examples)}  # what the other ranks send
-    monkeypatch.setattr(torch.distributed, "all_gather_object",
-                        lambda out, obj: out.__setitem__(slice(None), [others] * (len(out) - 1) + [obj]))
+    monkeypatch.setattr(reference, "gather", lambda obj: [others, others, obj])
     table = reference.compute_table(None, examples, batch_size=2, device="cpu")
     assert len(calls) == 2
     assert len(table) == len(examples)

@@ -20,8 +20,16 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+import shutil
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from prefixdpo.atomic_io import TMP_MARK, atomic_write_json, replace_folder
+from prefixdpo.errors import UserError
+
+BUILD_FILE = "build.json"  # written last into a build: which build it is (see `build_demo_for_run`)
 
 # Lower-case content words; each also appears upper-cased in responses.
 WORDS = (
@@ -148,6 +156,7 @@ def build_model(tokenizer, spec: DemoSpec = DemoSpec()):
 
 
 def write_jsonl(records: list[dict], path: Path) -> None:
+    """One JSON record a line. Not atomic by itself: `build_demo` writes it into a folder that appears whole."""
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -168,25 +177,73 @@ def demo_artifacts(output_dir: str | Path) -> DemoArtifacts:
     return DemoArtifacts(out / "model", out / "train.jsonl", out / "eval.jsonl")
 
 
-def build_demo(output_dir: str | Path, spec: DemoSpec = DemoSpec()) -> DemoArtifacts:
-    """Build and save the embedded default under `output_dir` (real HF artifacts, reloadable by path)."""
-    paths = demo_artifacts(output_dir)
+def _write_demo(paths: DemoArtifacts, spec: DemoSpec) -> None:
+    """Write the embedded default's model, tokenizer and data at `paths` (all fresh)."""
     paths.model_dir.mkdir(parents=True, exist_ok=True)
     train, held_out = make_splits(spec)
     tokenizer = build_tokenizer(train, spec)
     model = build_model(tokenizer, spec)
+    # transformers writes nothing on a rank other than 0 once a process group is up (it assumes a sharded model
+    # that rank 0 gathers); this model is whole here, and this rank may be the only builder of its disk
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(paths.model_dir, safe_serialization=True)
     tokenizer.save_pretrained(paths.model_dir)
     write_jsonl(train, paths.train_file)
     write_jsonl(held_out, paths.eval_file)
-    return paths
 
 
-def build_demo_for_run(output_dir: str | Path, training_args) -> DemoArtifacts:
-    """The embedded default for a run of one or several processes: the first process of each machine builds
-    it while the others wait, then every process reads the same files (several processes writing the same
-    files at once would let one read a half-written model)."""
-    with training_args.main_process_first(local=True, desc="building the embedded default"):
-        if training_args.local_process_index == 0:
-            return build_demo(output_dir)
-        return demo_artifacts(output_dir)
+def build_demo(output_dir: str | Path, spec: DemoSpec = DemoSpec(), build_id: str | None = None) -> DemoArtifacts:
+    """Build and save the embedded default as the folder `output_dir` (real HF artifacts, reloadable by path).
+
+    It is built in a temporary folder beside `output_dir` and renamed over it whole (an old `output_dir` is
+    replaced), so a kill mid-build leaves the old folder or none, never a half one: at most a `*.tmp-*`
+    folder that nothing reads. `build_id` (default: a fresh one) is stored in its `BUILD_FILE`.
+    """
+    final = Path(output_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}{TMP_MARK}", dir=final.parent))
+    try:
+        _write_demo(demo_artifacts(tmp), spec)
+        atomic_write_json(str(tmp / BUILD_FILE), {"build": build_id or uuid.uuid4().hex, "spec": asdict(spec)})
+        replace_folder(str(tmp), str(final))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return demo_artifacts(final)
+
+
+def holds_build(output_dir: str | Path, build_id: str) -> bool:
+    """Whether `output_dir` is the complete build `build_id` (its `BUILD_FILE`, written last, names it)."""
+    try:
+        return json.loads((Path(output_dir) / BUILD_FILE).read_text(encoding="utf-8")).get("build") == build_id
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def build_demo_for_run(output_dir: str | Path, training_args, spec: DemoSpec = DemoSpec()) -> DemoArtifacts:
+    """The embedded default for a run of one or several processes: one builder per filesystem, and every
+    process then reads the same complete files.
+
+    In rounds: every rank says whether it sees this run's build in `output_dir` (rank 0 names the build);
+    the lowest rank that does not builds it (`build_demo`: atomically), until every rank sees it. A folder
+    every rank shares is one round, built by rank 0; node-local folders (each machine its own disk) get
+    one builder each, one after another. Every rank takes each round's decision from the same gathered
+    answers, so no two processes write one folder at once and none reads a half-written model.
+    """
+    from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world, wait_for_all
+
+    _ = training_args.device  # brings up the process group of a distributed run
+    rank, _ = rank_and_world()
+    build_id = from_rank0(uuid.uuid4().hex)
+    builders: set[int] = set()
+    while True:
+        missing = [r for r, sees in enumerate(gather(holds_build(output_dir, build_id))) if not sees]
+        if not missing:
+            return demo_artifacts(output_dir)
+        builder = missing[0]
+        if builder in builders:  # its own rename is invisible to it: no round can help
+            raise UserError(f"rank {builder} built the embedded default in {output_dir} but cannot read it back")
+        builders.add(builder)
+        if rank == builder:
+            build_demo(output_dir, spec, build_id=build_id)
+        wait_for_all()  # the next round's answers are read after this round's build

@@ -130,9 +130,10 @@ def restore_stock_attention(folder: str) -> None:
     keys = [k for k in ("_attn_implementation", "attn_implementation", "_attn_implementation_internal")
             if cfg.get(k) == ATTENTION_NAME]
     if keys:
+        from prefixdpo.atomic_io import atomic_write_json
+
         cfg.update(dict.fromkeys(keys, "sdpa"))
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(cfg, fh, indent=2, sort_keys=True)
+        atomic_write_json(path, cfg, indent=2, sort_keys=True)  # a kill leaves the saved config or this one
 
 
 def through_engine(model, body: Callable[..., dict], **inputs) -> dict:

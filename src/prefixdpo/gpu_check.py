@@ -39,6 +39,7 @@ try:
 except ImportError:  # `make gpu-check` on a python without torch: main() says so in one line
     torch = None
 
+from prefixdpo.atomic_io import atomic_write_text
 from prefixdpo.flops import ModelShape
 
 __all__ = [
@@ -132,11 +133,10 @@ def exit_status(results: list[CheckResult]) -> int:
 def write_reports(results: list[CheckResult], meta: dict, out: str | os.PathLike) -> list[Path]:
     """Write DIR/gpu-check.json (every number) and DIR/gpu-check.md; returns their paths."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     js, md = out / "gpu-check.json", out / "gpu-check.md"
-    js.write_text(json.dumps({"meta": meta, "verdict": verdict(results), "results": [asdict(r) for r in results]},
-                             indent=2), encoding="utf-8")
-    md.write_text(markdown_report(results, meta), encoding="utf-8")
+    atomic_write_text(str(js), json.dumps({"meta": meta, "verdict": verdict(results),
+                                           "results": [asdict(r) for r in results]}, indent=2))
+    atomic_write_text(str(md), markdown_report(results, meta))
     return [js, md]
 
 

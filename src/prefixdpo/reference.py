@@ -15,7 +15,10 @@ Every strategy answers `logps(policy, batch, mask, item)`: the no-grad per-respo
 - `NoReference`: reference-free losses (SimPO, ORPO, SFT) load and run nothing.
 
 The on-disk key covers the model config, every byte of every weight (gathered when sharded), the
-examples' content and the settings; a hit is used only if its stored key and response count match.
+examples' content and the settings. A cache file is used only if it proves its content: its cache version,
+its stored key, the sha256 of its payload, offsets that step by each example's response count, and finite
+values; anything else is recomputed with one warning line and the file rewritten (atomically). Rank 0
+alone reads and writes the cache, and its table reaches every rank: see `load_or_compute_table`.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from typing import Sequence
 
 import torch
 
+from prefixdpo.atomic_io import atomic_path
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.errors import ConfigError
 from prefixdpo.forward import base_model, compute_response_logps, unwrap
+from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "prefixdpo-ref-logps-v2"
+CACHE_VERSION = "prefixdpo-ref-logps-v3"  # v3: the payload's sha256 and the version in the file's metadata
 
 
 def is_peft_model(model) -> bool:
@@ -313,18 +318,12 @@ def cache_key(model, examples: Sequence[Example], settings: dict, *, skip_adapte
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _dist():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def compute_table(
     model, examples: Sequence[Example], *, adapter_off: bool = False, batch_size: int = 8, chunk_size: int = 1024,
     backend: str = "auto", pad_token_id: int = 0, device=None,
 ) -> RefLogpsTable:
     """One no-grad prefix-shared pass over `examples` (sharded over ranks, then gathered)."""
-    rank, world = _dist()
+    rank, world = rank_and_world()
     device = device or next(unwrap(model).parameters()).device
     mine = list(range(rank, len(examples), world))
     mine.sort(key=lambda i: examples[i].shared_length)  # similar lengths together: less padding
@@ -342,10 +341,7 @@ def compute_table(
             k = examples[i].num_responses
             results[i] = sums[offset : offset + k].tolist()
             offset += k
-    if world > 1:
-        gathered: list = [None] * world
-        torch.distributed.all_gather_object(gathered, results)
-        results = {i: v for part in gathered for i, v in part.items()}
+    results = {i: v for part in gather(results) for i, v in part.items()}
     flat = [v for i in range(len(examples)) for v in results[i]]
     offsets = [0]
     for ex in examples:
@@ -353,30 +349,112 @@ def compute_table(
     return RefLogpsTable(torch.tensor(flat, dtype=torch.float32), torch.tensor(offsets, dtype=torch.long))
 
 
+def payload_checksum(table: RefLogpsTable) -> str:
+    """sha256 of the table's bytes: sums [total responses] fp32, then offsets [N + 1] int64."""
+    h = hashlib.sha256()
+    for t in (table.sums, table.offsets):
+        h.update(t.detach().contiguous().cpu().flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def table_problem(table: RefLogpsTable, examples: Sequence[Example]) -> str | None:
+    """Why `table` cannot be the table of `examples`, or None: sums must be a finite fp32 vector and offsets
+    [N + 1] must start at 0 and step by each example's response count up to the length of sums."""
+    sums, offsets = table.sums, table.offsets
+    if sums.dtype != torch.float32 or sums.dim() != 1 or offsets.dtype != torch.long or offsets.dim() != 1:
+        return f"sums {sums.dtype} {tuple(sums.shape)} / offsets {offsets.dtype} {tuple(offsets.shape)} are not " \
+               "a float32 vector and an int64 vector"
+    if offsets.numel() != len(examples) + 1:
+        return f"offsets for {offsets.numel() - 1} examples, the data has {len(examples)}"
+    if offsets.numel() == 0 or int(offsets[0]) != 0:
+        return "offsets do not start at 0"
+    counts = torch.tensor([ex.num_responses for ex in examples], dtype=torch.long)
+    wrong = (offsets.diff() != counts).nonzero().flatten()
+    if wrong.numel():
+        i = int(wrong[0])
+        return f"offsets give example {i} {int(offsets[i + 1] - offsets[i])} responses, it has {int(counts[i])}"
+    if int(offsets[-1]) != sums.numel():
+        return f"offsets end at {int(offsets[-1])}, sums hold {sums.numel()} values"
+    bad = int((~torch.isfinite(sums)).sum())
+    if bad:
+        return f"{bad} of its {sums.numel()} values are not finite"
+    return None
+
+
+def read_cached_table(path: str, key: str, examples: Sequence[Example]) -> tuple[RefLogpsTable | None, str]:
+    """(table, "") if the file at `path` proves it holds `key`'s table of `examples`, else (None, why not).
+
+    A missing file is (None, "missing"). Proof: this cache version, this key, a payload whose sha256 is the
+    stored one, and a table that fits the examples (`table_problem`).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as fh:
+            meta = fh.metadata() or {}
+            names = sorted(fh.keys())
+            if names != ["offsets", "sums"]:
+                return None, f"it holds tensors {names}, not offsets and sums"
+            table = RefLogpsTable(fh.get_tensor("sums"), fh.get_tensor("offsets"))
+    except FileNotFoundError:
+        return None, "missing"
+    except Exception as exc:  # truncated or garbage bytes: whatever the reader raises, the file holds no table
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        return None, f"unreadable ({type(exc).__name__}: {reason})"
+    if meta.get("version") != CACHE_VERSION:
+        return None, f"written by cache version {meta.get('version', 'v2 or older')}, this is {CACHE_VERSION}"
+    if meta.get("key") != key:
+        return None, "its stored key is another model's, data's or settings'"
+    if meta.get("sha256") != payload_checksum(table):
+        return None, "its payload does not match its checksum (edited or damaged)"
+    problem = table_problem(table, examples)
+    if problem is not None:
+        return None, problem
+    return table, ""
+
+
+def cached_table(path: str, key: str, examples: Sequence[Example]) -> RefLogpsTable | None:
+    """The proven table at `path`, or None; a file that is there but proves nothing is one warning line."""
+    table, why = read_cached_table(path, key, examples)
+    if table is None and why != "missing":
+        logger.warning("reference cache %s not used, recomputing it: %s", path, why)
+    return table
+
+
+def write_table(path: str, table: RefLogpsTable, key: str) -> None:
+    """Save `table` with its key, the cache version and its payload checksum, atomically. A failed write is
+    one warning: the cache only saves time, and one rank must not stop while the others train on."""
+    from safetensors.torch import save_file
+
+    metadata = {"key": key, "version": CACHE_VERSION, "sha256": payload_checksum(table)}
+    try:
+        with atomic_path(path) as tmp:
+            save_file({"sums": table.sums.contiguous(), "offsets": table.offsets.contiguous()}, tmp,
+                      metadata=metadata)
+    except OSError as exc:
+        logger.warning("could not save reference cache %s (%s): the next run computes it again", path, exc)
+
+
 def load_or_compute_table(
     model, examples: Sequence[Example], cache_dir: str, *, adapter_off: bool = False, settings: dict | None = None,
     **kwargs,
 ) -> tuple[RefLogpsTable, str, bool]:
-    """The reference table from `cache_dir` if a file with this key exists and holds this key and this many
-    responses, else computed and saved. Returns (table, path, loaded_from_cache)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    """The reference table of `examples` from `cache_dir` if the file of this key proves it holds it
+    (`read_cached_table`), else computed and saved. Returns (table, path, loaded_from_cache).
 
-    key = cache_key(model, examples, dict(settings or {}), skip_adapter=adapter_off)
+    Ranks take one decision: rank 0 alone reads the cache, and its hit or miss, with the table on a hit,
+    is broadcast, so other ranks never read their own disk (a per-node `~/.cache` may be empty or hold
+    something else). On a miss every rank computes (`compute_table` shares the work out) and rank 0 alone
+    writes: the only reader is the only writer, so ranks sharing the folder (one node's, or every node's
+    on a shared home) never write the same file at once, and a copy elsewhere would never be read.
+    """
+    key = cache_key(model, examples, dict(settings or {}), skip_adapter=adapter_off)  # collective when sharded
     path = os.path.join(cache_dir, f"ref_logps_{key[:32]}.safetensors")
-    responses = sum(ex.num_responses for ex in examples)
-    if os.path.isfile(path):
-        with safe_open(path, framework="pt") as fh:
-            stored_key = (fh.metadata() or {}).get("key")
-            table = RefLogpsTable(fh.get_tensor("sums"), fh.get_tensor("offsets"))
-        if stored_key == key and len(table) == len(examples) and table.sums.numel() == responses:
-            return table, path, True
-        logger.warning("ignoring reference cache %s: it belongs to other data or weights", path)
+    rank, _ = rank_and_world()
+    table = from_rank0(cached_table(path, key, examples) if rank == 0 else None)
+    if table is not None:
+        return table, path, True
     table = compute_table(model, examples, adapter_off=adapter_off, **kwargs)
-    rank, _ = _dist()
     if rank == 0:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({"sums": table.sums, "offsets": table.offsets}, tmp, metadata={"key": key})
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+        write_table(path, table, key)
     return table, path, False

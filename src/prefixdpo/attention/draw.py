@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixdpo.atomic_io import atomic_path
 from prefixdpo.attention.masks import dense_mask
 from prefixdpo.data.batch import Batch
 
@@ -79,7 +80,7 @@ def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None =
     ax.set_title(title or f"line {line}: {n_docs} documents, {L} positions")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    with atomic_path(str(path)) as tmp:  # the format from the real name: the temporary one has no image suffix
+        fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

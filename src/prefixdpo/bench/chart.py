@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prefixdpo.atomic_io import atomic_path
 from prefixdpo.bench.runner import ProfileResult
 
 __all__ = ["MODE_COLOURS", "plot_results"]
@@ -49,7 +50,7 @@ def plot_results(results: list[ProfileResult], path: str | Path, title: str = "p
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_path(str(path)) as tmp:  # the format from the real name: the temporary one has no image suffix
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

@@ -16,6 +16,7 @@ import platform
 import time
 from pathlib import Path
 
+from prefixdpo.atomic_io import atomic_write_text
 from prefixdpo.errors import ConfigError
 
 # setting -> (default, quick, cuda) where the three differ
@@ -204,10 +205,9 @@ def run(args) -> int:
         "timing": f"{elapsed:.0f} s; torch {torch.__version__}; collation (layout/packing) is not in the step time",
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     md = markdown_report(results, meta)
-    (out / "bench.md").write_text(md, encoding="utf-8")
-    (out / "bench.json").write_text(to_json(results, meta), encoding="utf-8")
+    atomic_write_text(str(out / "bench.md"), md)
+    atomic_write_text(str(out / "bench.json"), to_json(results, meta))
     plot_results(results, out / "bench.png")
     print(md)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
