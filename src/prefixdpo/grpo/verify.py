@@ -81,12 +81,8 @@ class GroupRows:
 
 def group_rows(tokenizer, groups=DEFAULT_GROUPS, *, max_completion_length: int | None = None,
                seed: int = 0) -> GroupRows:
-    """TRL's rows for `groups` ((prompt text, completion texts), ...) tokenized by `tokenizer`.
-
-    A completion longer than `max_completion_length` (default: the 75th percentile of the completions' token
-    counts, so some are cut and most are not) is cut there without EOS, as generation stops at the limit; a
-    shorter one ends with the tokenizer's EOS. Prompts get the tokenizer's BOS first where it has one.
-    """
+    """TRL's rows for `groups` ((prompt text, completion texts), ...) tokenized by `tokenizer` (`rows_of_ids`);
+    prompts get the tokenizer's BOS first where it has one."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("the tokenizer has no EOS token: GRPO completions end at EOS (TRL's rule)")
@@ -96,8 +92,19 @@ def group_rows(tokenizer, groups=DEFAULT_GROUPS, *, max_completion_length: int |
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    prompts = [bos + encode(prompt) for prompt, _ in groups]
-    completions = [[encode(c) for c in texts] for _, texts in groups]
+    return rows_of_ids([bos + encode(prompt) for prompt, _ in groups],
+                       [[encode(c) for c in texts] for _, texts in groups],
+                       eos=eos, pad=pad, max_completion_length=max_completion_length, seed=seed)
+
+
+def rows_of_ids(prompts: list[list[int]], completions: list[list[list[int]]], *, eos: int, pad: int,
+                max_completion_length: int | None = None, seed: int = 0) -> GroupRows:
+    """TRL's rows of prompts (token ids) and each prompt's completions (token ids, without EOS).
+
+    A completion longer than `max_completion_length` (default: the 75th percentile of the completions' lengths
+    with EOS, so some are cut and most are not) is cut there without EOS, as generation stops at the limit; a
+    shorter one ends with `eos`. The rows are shuffled (seeded).
+    """
     lengths = sorted(len(c) + 1 for group in completions for c in group)
     K = max_completion_length or lengths[(3 * len(lengths)) // 4]
     P = max(len(p) for p in prompts)
@@ -113,7 +120,20 @@ def group_rows(tokenizer, groups=DEFAULT_GROUPS, *, max_completion_length: int |
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     return GroupRows(torch.tensor(rows)[order], torch.tensor(masks)[order], K, torch.tensor(eos_flags)[order],
-                     len(groups))
+                     len(prompts))
+
+
+def random_group_rows(vocab_size: int, *, eos: int, pad: int, seed: int = 0) -> GroupRows:
+    """Rows of random tokens (ids >= 5, not `eos`) in the shape `DEFAULT_GROUPS` has: 3 prompts of 20, 7 and 13
+    tokens, 4 completions each of 1 to 40 tokens, the longest cut at the maximum length."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return [t if t != eos else 5 for t in torch.randint(5, vocab_size, (n,), generator=g).tolist()]
+
+    shapes = ((20, (3, 17, 40, 1)), (7, (9, 33, 5, 2)), (13, (12, 1, 26, 40)))
+    return rows_of_ids([ids(p) for p, _ in shapes], [[ids(n) for n in cs] for _, cs in shapes], eos=eos, pad=pad,
+                       seed=seed)
 
 
 def read_groups(path: str) -> list[tuple[str, list[str]]]:
