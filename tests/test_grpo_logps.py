@@ -189,3 +189,30 @@ def test_a_pass_with_every_completion_masked_still_has_a_graph(tmp_path):
     assert torch.equal(logps, torch.zeros_like(logps)) and torch.equal(entropies, torch.zeros_like(entropies))
     (logps.sum() + entropies.sum()).backward()
     assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+
+
+def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_path):
+    """TRL's reference / old-policy / policy passes of one batch: one layout, one set of masks; other rows or
+    options build their own."""
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups()
+
+    def run(ids, mask, batch_size=None):
+        with torch.no_grad():
+            out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, batch_size)[0]
+        return out, trainer._last_layout[3]
+
+    logps, lines = run(input_ids, attention_mask)
+    assert len(lines.masks) == 1
+    again, reused = run(input_ids.clone(), attention_mask.clone())  # new tensors, same content (as TRL's cat)
+    assert reused is lines and len(lines.masks) == 1 and torch.equal(again, logps)
+    full = int((attention_mask[:, -K:].sum(1) == K).nonzero()[0])
+    shorter = attention_mask.clone()
+    shorter[full, -1] = 0  # one completion a token shorter
+    _, other = run(input_ids, shorter)
+    assert other is not lines and other.num_real_tokens == lines.num_real_tokens - 1
+    trainer.args.packing = False
+    _, unpacked = run(input_ids, shorter)
+    assert unpacked is not other and unpacked.num_lines == 3 and len(unpacked.masks) == 1
+    _, chunked = run(input_ids, shorter, batch_size=1)  # the same lines, one per forward
+    assert chunked is unpacked and len(unpacked.masks) == 1 + 3

@@ -18,7 +18,7 @@ Padding columns (attention_mask 0) are left out, which is exact: in TRL's row no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class GroupLines:
     slot_group:   [B, S] long, group of each prompt slot; -1 for completion slots and padding
     group_of_row: [N] long, the group of each TRL row (rows with equal prompt tokens share one)
     trl_tokens:   real tokens of TRL's rows (its attention mask's ones): what sharing is measured against
+    masks:        attention masks built for these lines, by (first line, end line, backend): a pass over the same
+                  rows (TRL's reference and old-policy passes, the policy's) reuses them
     """
 
     input_ids: torch.Tensor
@@ -61,6 +63,7 @@ class GroupLines:
     num_rows: int
     logits_to_keep: int
     trl_tokens: int
+    masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_lines(self) -> int:

@@ -112,6 +112,14 @@ def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, setti
     return body
 
 
+def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str):
+    """The attention mask of lines [start, end) for `backend`, built once per layout (`GroupLines.masks`)."""
+    key = (start, end, backend)
+    if key not in lines.masks:
+        lines.masks[key] = build_attention_mask(lines.doc_ids[start:end], lines.branch_ids[start:end], backend)
+    return lines.masks[key]
+
+
 def _chunk_targets(lines: GroupLines, start: int, end: int) -> slice:
     """The targets predicted from lines [start, end) (targets are in line order)."""
     lo = int(torch.searchsorted(lines.target_line, torch.tensor(start, device=lines.target_line.device)))
@@ -139,9 +147,8 @@ def group_logps(
     logps, entropies, router = [], [], []
     for start, end in line_chunks(lines, max_slots):
         targets = _chunk_targets(lines, start, end)
-        doc, branch = lines.doc_ids[start:end], lines.branch_ids[start:end]
         inputs = {"input_ids": lines.input_ids[start:end], "position_ids": lines.position_ids[start:end],
-                  "attention_mask": build_attention_mask(doc, branch, backend)}
+                  "attention_mask": _chunk_mask(lines, start, end, backend)}
         out = through_engine(model, _lines_body(model, lines, start, targets, settings, compute_entropy, aux), **inputs)
         logps.append(out["logps"])
         if compute_entropy:

@@ -104,13 +104,23 @@ class PrefixSharedLogps:
         return result
 
     def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str) -> GroupLines:
+        """The lines of this pass; the previous pass's (and the masks built for them) when its rows are the same:
+        TRL runs the reference and old-policy passes on the same rows, and the policy pass on rows of equal
+        content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
-        return layout_groups(
-            input_ids, attention_mask, logits_to_keep,
-            positions_from_mask=model_type in MASK_POSITION_MODEL_TYPES,
-            packing=self._option("packing"), pack_length=self._option("pack_length"),
-            bucket=backend in ("flex", "varlen"),  # compiled kernels: a few line lengths, multiples of 128
+        settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
+                    str(self._option("pack_length")), backend in ("flex", "varlen"))
+        cached = getattr(self, "_last_layout", None)
+        if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
+                and _same(cached[2], attention_mask)):
+            return cached[3]
+        lines = layout_groups(
+            input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
+            pack_length=self._option("pack_length"),
+            bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
         )
+        self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
+        return lines
 
     def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
         """Why this pass must run TRL's own layout (None: prefix sharing reproduces it exactly)."""
@@ -171,6 +181,10 @@ class PrefixSharedLogps:
             super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
 class PrefixGRPOTrainer(PrefixSharedLogps, GRPOTrainer):
