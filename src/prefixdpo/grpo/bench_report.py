@@ -107,9 +107,9 @@ def _model_folder(args, settings: dict, dtype: torch.dtype, folder: Path) -> tup
     shape = SHAPES[settings["model_size"]]
     torch.manual_seed(args.seed)
     load_causal_lm(llama_config(shape), dtype=dtype).save_pretrained(folder / "model")
-    desc = (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, intermediate {shape.intermediate}, "
-            f"{shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, head_dim {shape.head_dim}, "
-            f"vocab {shape.vocab}")
+    desc = (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, intermediate "
+            f"{shape.intermediate}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, head_dim "
+            f"{shape.head_dim}, vocab {shape.vocab}")
     return str(folder / "model"), build_tiny_tokenizer(vocab_size=min(shape.vocab, 384)), desc
 
 
