@@ -223,10 +223,6 @@ def ideal_speedups(shape: ModelShape, rollouts: list[Rollout], *, head_every_pos
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def _zero_reward(completions, **kwargs) -> list[float]:
-    return [0.0] * len(completions)
-
-
 def build_bench_trainer(model_dir: str, tokenizer, *, backend: str, dtype: torch.dtype, device: str, beta: float,
                         num_iterations: int, group_size: int, output_dir: str):
     """A `PrefixGRPOTrainer` over the saved model (TRL loads the policy and, when beta > 0, its reference from the
@@ -236,13 +232,14 @@ def build_bench_trainer(model_dir: str, tokenizer, *, backend: str, dtype: torch
 
     from prefixdpo.grpo.config import PrefixGRPOConfig
     from prefixdpo.grpo.trainer import PrefixGRPOTrainer
+    from prefixdpo.grpo.verify import zero_reward
 
     args = PrefixGRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=group_size, num_generations=group_size, beta=beta,
         num_iterations=num_iterations, use_cpu=not device.startswith("cuda"), bf16=False, report_to="none",
         save_strategy="no", gradient_checkpointing=False, attention=backend, disable_tqdm=True,
         model_init_kwargs={"dtype": dtype})
-    return PrefixGRPOTrainer(model=model_dir, reward_funcs=_zero_reward, args=args,
+    return PrefixGRPOTrainer(model=model_dir, reward_funcs=zero_reward, args=args,
                              train_dataset=Dataset.from_dict({"prompt": ["a"] * group_size}),
                              processing_class=tokenizer)
 

@@ -170,13 +170,14 @@ class GroupVerifyResult:
                 and self.grad_diff <= grad_tol * max(1.0, self.grad_scale))
 
 
-def _zero_reward(completions, **kwargs) -> list[float]:
+def zero_reward(completions, **kwargs) -> list[float]:
+    """A reward TRL's trainer can be built with where no generation runs (verify, bench)."""
     return [0.0] * len(completions)
 
 
 def build_verify_trainer(model, tokenizer, backend: str, output_dir: str):
     """A `PrefixGRPOTrainer` over `model` (eval mode: no dropout) whose passes run on `backend`; TRL's defaults
-    otherwise (temperature 1, no reference), fp32 compute in the model's own dtype (no autocast)."""
+    otherwise (temperature 1, no reference); computing in the model's own dtype (no autocast)."""
     from datasets import Dataset
 
     from prefixdpo.grpo.config import PrefixGRPOConfig
@@ -186,7 +187,7 @@ def build_verify_trainer(model, tokenizer, backend: str, output_dir: str):
     args = PrefixGRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=2,
                             use_cpu=device.type == "cpu", bf16=False, report_to="none", save_strategy="no",
                             gradient_checkpointing=False, attention=backend, disable_tqdm=True)
-    trainer = PrefixGRPOTrainer(model=model, reward_funcs=_zero_reward, args=args,
+    trainer = PrefixGRPOTrainer(model=model, reward_funcs=zero_reward, args=args,
                                 train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer)
     trainer.model.train(False)
     return trainer
