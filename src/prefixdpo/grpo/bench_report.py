@@ -1,7 +1,8 @@
 """`prefixdpo bench --task grpo`: settings, the run, and its report (bench.md / bench.json).
 
 Defaults (CPU, fp32): the three profiles at half their lengths on the DPO bench's default Llama-shaped model;
-`--quick`: a quarter of the lengths on its quick model (2 layers), about 1.5 minutes on 2 CPU cores; CUDA: bf16,
+`--quick`: a quarter of the lengths on its quick model (2 layers), about a minute on 2 idle CPU cores (measured
+2.5-3 minutes while other jobs kept the load average at 8-9); CUDA: bf16,
 FlexAttention, full lengths, the DPO bench's CUDA model. Generation is timed once, on the first profile.
 """
 
