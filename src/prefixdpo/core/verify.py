@@ -19,6 +19,13 @@ from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 
 
+DTYPE_TOLERANCES = {  # (logp relative tolerance, gradient tolerance relative to the largest gradient entry)
+    "float32": (1e-5, 1e-4),
+    "bfloat16": (5e-2, 5e-2),
+    "float16": (1e-2, 1e-2),
+}
+
+
 def stock_implementation(model) -> str:
     """The stock attention the model itself supports for the comparison passes: "sdpa", or "eager" where
     the architecture has no SDPA support (transformers refuses it) or soft-caps attention logits (SDPA has
