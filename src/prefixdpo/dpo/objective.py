@@ -111,10 +111,9 @@ def build_step_context(
     """
     rows = {name: loss_row(name) for name, _ in resolve_losses(loss_types)}
     running = running or {}
-    # needs_step_pairs, except that a running mean without its state has nothing to update.
+    # A running mean without its state has nothing to update: then the step's pairs are needed as in evaluation.
     # These arguments come from the trainer, not from an option: a wrong one is a bug (ValueError, traceback).
-    pair_users = sorted(n for n, row in rows.items()
-                        if row.step_values or (train and row.running_mean and n in running))  # fmt: skip
+    pair_users = sorted(n for n, row in rows.items() if row.needs_step_pairs(train=train and n in running))
     if step_pairs is None and pair_users:
         raise ValueError(
             f"losses {', '.join(pair_users)} need step_pairs (detached log-probs of every pair of the step)"
@@ -122,22 +121,33 @@ def build_step_context(
     if step_pairs is not None and step_pairs.num_pairs != num_pairs:
         raise ValueError(f"step_pairs holds {step_pairs.num_pairs} pairs but num_pairs={num_pairs}")
 
-    mean_chosen_tokens: Tensor | float = 1.0
-    token_users = sorted(n for n, row in rows.items() if row.token_mean)
-    if token_users:
-        if chosen_tokens is None:
-            raise ValueError(f"losses {', '.join(token_users)} need chosen_tokens of the step")
-        total = chosen_tokens.clamp(min=1) if isinstance(chosen_tokens, Tensor) else max(chosen_tokens, 1)
-        mean_chosen_tokens = total / max(num_pairs, 1)
+    mean_chosen_tokens = _mean_chosen_tokens(rows, num_pairs, chosen_tokens)  # checked before any state moves
+    values = {name: row.step_values(step_pairs) for name, row in rows.items() if row.step_values}
+    return StepContext(num_pairs, mean_chosen_tokens, values, _running_means(rows, params, step_pairs, running, train))
 
+
+def _mean_chosen_tokens(rows: dict[str, LossRow], num_pairs: int, chosen_tokens: Tensor | float | None
+                        ) -> Tensor | float:
+    """The step's chosen tokens per pair where a row has ``token_mean`` (else 1.0, unread)."""
+    token_users = sorted(n for n, row in rows.items() if row.token_mean)
+    if not token_users:
+        return 1.0
+    if chosen_tokens is None:
+        raise ValueError(f"losses {', '.join(token_users)} need chosen_tokens of the step")
+    total = chosen_tokens.clamp(min=1) if isinstance(chosen_tokens, Tensor) else max(chosen_tokens, 1)
+    return total / max(num_pairs, 1)
+
+
+def _running_means(rows: dict[str, LossRow], params: LossParams, step_pairs: StepPairs | None,
+                   running: Mapping[str, RunningMean], train: bool) -> dict[str, float]:
+    """Each running mean of these losses, after folding in the step's values when ``train``."""
     means = {}
     for name, row in rows.items():
         if row.running_mean and name in running:
             if train:
                 running[name].update(row.running_mean(step_pairs, row.read_options(params)))
             means[name] = running[name].mean
-    values = {name: row.step_values(step_pairs) for name, row in rows.items() if row.step_values}
-    return StepContext(num_pairs, mean_chosen_tokens, values, means)
+    return means
 
 
 def _check_inputs(name: str, row: LossRow, inputs: PairLogps, params: LossParams) -> None:
