@@ -19,7 +19,8 @@ from test_config import _help_options, _value_for
 from prefixdpo.cli import main
 from prefixdpo.commands.grpo import _parser_kwargs
 from prefixdpo.grpo import PrefixGRPOConfig, PrefixRLOOConfig
-from prefixdpo.grpo.config import group_argument_parser, parse_group_args
+from prefixdpo.grpo.config import group_options, parse_group_args
+from prefixdpo.option_parser import OptionParser
 
 
 def _default(f: dataclasses.Field):
@@ -39,7 +40,7 @@ def test_every_trl_field_is_ours_with_trls_default(ours, theirs):
 
 @pytest.mark.parametrize("command, config_class", [("grpo", PrefixGRPOConfig), ("rloo", PrefixRLOOConfig)])
 def test_every_option_the_help_prints_parses(command, config_class, capsys):
-    parser = group_argument_parser(config_class, command, **_parser_kwargs(command))
+    parser = OptionParser(group_options(config_class), **_parser_kwargs(command))
     assert main([command, "--help"]) == 0
     options = _help_options(capsys.readouterr().out)
     assert len(options) > 250

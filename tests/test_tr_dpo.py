@@ -147,6 +147,19 @@ def test_bad_values_and_mismatched_reference_refused():
                    r"policy nothing\)", tr_args(), reference, tied)
 
 
+@pytest.mark.parametrize("options", [dict(ref_model_sync_steps=0), dict(ref_model_mixup_alpha=1.5),
+                                     dict(precompute_ref_log_probs=True)])
+def test_config_and_trainer_refuse_bad_options_with_the_same_line(tmp_path, options):
+    """One check of the TR-DPO options (`check_tr_dpo_options`), run when the config is built and again by
+    the trainer (its args can be changed in between)."""
+    with pytest.raises(ConfigError) as at_config:
+        PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**TR_DPO, **options})
+    base = tiny_model("llama")
+    with pytest.raises(ConfigError) as at_trainer:
+        tr_dpo_callback(tr_args(**options), SeparateModelReference(copy.deepcopy(base)), base)
+    assert str(at_config.value) == str(at_trainer.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # per-step equality with TRL 1.16's DPOTrainer, sync_ref_model on
 # ---------------------------------------------------------------------------------------------

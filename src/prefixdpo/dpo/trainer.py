@@ -30,7 +30,7 @@ from prefixdpo.dpo.metrics import DPOMetricSums
 from prefixdpo.training.model_setup import prepare_policy, prepare_reference
 from prefixdpo.dpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
-from prefixdpo.dpo.step_context import StepContextBuilder
+from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.data.inputs import as_examples
 
@@ -78,7 +78,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
             self.add_callback(sync)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
                                    resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
-        self.step_context = StepContextBuilder(self.objective, self.accelerator)
+        self.coupling = StepCoupling(self.objective, self.accelerator)
         if isinstance(self.reference, PrecomputedReference):  # every table before training, as TRL does
             evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
             named = [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
@@ -108,7 +108,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         # All micro-batches of one optimizer step are in hand here: losses coupled across the step's pairs
         # (sft, aot, bco_pair) get their step-wide context before the first forward.
         samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.step_context.attach(samples, self._prepass)
+        self.coupling.attach(samples, self._prepass)
         return samples, None
 
     def _prepass(self, item):
@@ -132,7 +132,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         if batch.num_pairs == 0:
             return None, batch
         context = inputs.get("step_context") if split == "train" else (
-            self.step_context.for_evaluation if self.step_context.enabled else None)
+            self.coupling.for_evaluation if self.coupling.enabled else None)
         result = pair_losses(model, batch, reference=self.reference, objective=self.objective, backend=self.backend,
                              chunk_size=self.args.logprob_chunk_size, item=inputs, context=context)
         stats = result.metric_sums(self.args.beta)
@@ -161,7 +161,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     # ---- resume -----------------------------------------------------------------------------
 
     def _checkpoint_state(self) -> dict:
-        return self.step_context.state_dict()  # e.g. BCO's running mean
+        return self.coupling.state_dict()  # e.g. BCO's running mean
 
     def _restore_checkpoint_state(self, state: dict) -> None:
-        self.step_context.load_state_dict(state)
+        self.coupling.load_state_dict(state)

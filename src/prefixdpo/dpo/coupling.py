@@ -1,14 +1,13 @@
-"""The optimizer step's view for losses coupled across pairs (sft, orpo, aot, aot_unpaired, bco_pair).
+"""The optimizer step's coupling: what losses coupled across pairs need of the whole step (their rows in
+`prefixdpo.dpo.loss_table` say what: the step's chosen tokens, its pairs' detached log-probs, a running mean).
 
 Trainer hands us all micro-batches of one optimizer step before the first forward
 (`PrefixDPOTrainer.get_batch_samples`). We collect what the coupled losses need over the step's pairs on
-every rank, build the step's context once (`prefixdpo.dpo.objective.step_context`), and give each micro-batch
-its slice (`item["step_context"]`), so packing, gradient accumulation and world size cannot change the loss:
-
-- sft / orpo / RPO need the step's chosen-token total: from the data, no forward;
-- aot, aot_unpaired and training bco_pair need every pair's detached log-probs: one no-grad pre-pass over
-  this rank's micro-batches, gathered over ranks. Its reference sums stay in the items for the training pass,
-  so the extra cost is one no-grad policy forward per micro-batch.
+every rank, build the step's context once (`prefixdpo.dpo.objective.build_step_context`), and give each
+micro-batch its slice (`item["step_context"]`), so packing, gradient accumulation and world size cannot change
+the loss. The chosen-token total comes from the data (no forward); the step's pairs, where a row needs them,
+from one no-grad pre-pass over this rank's micro-batches, gathered over ranks (its reference sums stay in the
+items, so the extra cost is one no-grad policy forward per micro-batch).
 
 Pairs are numbered rank by rank, then micro-batch by micro-batch, then in batch order.
 """
@@ -17,27 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.dpo.objective import (
-    BCORunningMean,
-    StepPairs,
-    canonical_loss_types,
-    needs_step_pairs,
-    step_context,
-)
-
-COUPLED = frozenset({"sft", "orpo", "aot", "aot_unpaired", "bco_pair"})
+from prefixdpo.dpo.loss_table import StepPairs, canonical_loss_types, coupled, loss_row, needs_step_pairs
+from prefixdpo.dpo.objective import RunningMean, build_step_context
 
 
-class StepContextBuilder:
-    """Builds and attaches the step context; owns BCO's running mean (saved in checkpoints)."""
+class StepCoupling:
+    """Builds and attaches each step's context; owns the losses' running means (saved in checkpoints)."""
 
     def __init__(self, objective, accelerator):
         self.objective = objective
         self.accelerator = accelerator
         self.names = canonical_loss_types(objective.loss_types)
-        self.enabled = bool(COUPLED & set(self.names))
+        self.enabled = coupled(self.names)
         self.needs_pairs = needs_step_pairs(self.names, train=True)
-        self.bco = BCORunningMean()
+        self.running = {name: RunningMean() for name in self.names if loss_row(name).running_mean}
 
     def attach(self, samples: list[dict], prepass) -> None:
         """Set `item["step_context"]` on every micro-batch of the step. prepass(item) -> detached PairLogps."""
@@ -61,17 +53,18 @@ class StepContextBuilder:
         if step.shape[0] != planned:
             raise RuntimeError(f"step context: gathered {step.shape[0]} pairs, the plan says {planned}")
         pairs = StepPairs(*step[:, 1:5].unbind(1)) if self.needs_pairs else None
-        context = step_context(self.names, self.objective.params, pairs, num_pairs=planned,
-                               chosen_tokens=float(step[:, 0].sum()), bco_state=self.bco, train=True)
+        context = build_step_context(self.names, self.objective.params, pairs, num_pairs=planned,
+                                     chosen_tokens=float(step[:, 0].sum()), running=self.running, train=True)
         for item, n in zip(samples, counts):
             item["step_context"] = context.local(torch.arange(offset, offset + n))
             offset += n
 
     def for_evaluation(self, inputs):
-        """Context of one evaluation micro-batch (its own pairs; BCO reads the running mean, never moves it)."""
+        """Context of one evaluation micro-batch (its own pairs; running means are read, never moved)."""
         pairs = StepPairs.of(inputs) if needs_step_pairs(self.names, train=False) else None
-        return step_context(self.names, self.objective.params, pairs, num_pairs=inputs.policy_chosen_logps.numel(),
-                            chosen_tokens=inputs.chosen_lengths.sum(), bco_state=self.bco, train=False)
+        return build_step_context(self.names, self.objective.params, pairs,
+                                  num_pairs=inputs.policy_chosen_logps.numel(),
+                                  chosen_tokens=inputs.chosen_lengths.sum(), running=self.running, train=False)
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.accelerator.num_processes == 1:
@@ -82,8 +75,12 @@ class StepContextBuilder:
         return [torch.tensor(part, dtype=torch.float64).reshape(-1, width) for part in gather_object([t.tolist()])]
 
     def state_dict(self) -> dict:
-        return {"bco_running_mean": self.bco.state_dict()}
+        return {"running_means": {name: mean.state_dict() for name, mean in self.running.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if "bco_running_mean" in state:
-            self.bco.load_state_dict(state["bco_running_mean"])
+        saved = dict(state.get("running_means", {}))
+        if "bco_running_mean" in state:  # a checkpoint written before the loss table
+            saved.setdefault("bco_pair", state["bco_running_mean"])
+        for name, mean in self.running.items():
+            if name in saved:
+                mean.load_state_dict(saved[name])
