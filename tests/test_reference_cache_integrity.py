@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import prefixdpo.dpo.reference_cache as reference_cache
+from prefixdpo.dpo.reference import reference_response_logps
 from conftest import make_examples, tiny_model
 from prefixdpo.dpo.config import PrefixDPOConfig
-from prefixdpo.dpo.reference import reference_response_logps
 from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
 SETTINGS = {"dtype": "torch.float32"}
