@@ -21,7 +21,7 @@ from conftest import tiny_model
 from prefixdpo.dpo.tr_dpo import SyncReferenceCallback, tr_dpo_callback
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.errors import ConfigError
-from prefixdpo.dpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
+from prefixdpo.dpo.reference import AdapterReference, NoReference, PrecomputedReference, SeparateModelReference
 from test_trl_parity import REWARD_ATOL, compare, parity_setup, run_ours, run_trl, shared_options
 
 TR_DPO = dict(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
@@ -115,10 +115,8 @@ def test_refused_with_peft_as_trl_does():
 
 def test_refused_with_precomputed_reference(tmp_path):
     base = tiny_model("llama")
-    reference = choose_reference(needs_reference=True, precompute=True, ref_model=None, policy=base, chunk_size=64,
-                                 backend="sdpa", cache_dir=str(tmp_path), batch_size=2, pad_token_id=0,
-                                 device="cpu")
-    assert reference.name == "precomputed"
+    reference = PrecomputedReference(SeparateModelReference(copy.deepcopy(base), chunk_size=64, backend="sdpa"),
+                                     cache_dir=str(tmp_path), batch_size=2, pad_token_id=0, device="cpu")
     one_line_error(r"^sync_ref_model=True cannot be combined with precompute_ref_log_probs=True",
                    tr_args(precompute_ref_log_probs=True), reference, base)
 

@@ -131,11 +131,11 @@ def test_reference_modes(tmp_path, monkeypatch):
     assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
 
     # precomputed: same numbers, no reference model kept, and a second run reuses the cache
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.dpo.reference_cache as reference_cache
 
     calls = []
-    real = reference.compute_table
-    monkeypatch.setattr(reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = reference_cache.compute_table
+    monkeypatch.setattr(reference_cache, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     t_pre, logs_pre = train(config(tmp_path, precompute_ref_log_probs=True), examples)
     assert t_pre.reference.name == "precomputed" and t_pre.ref_model is None
     assert calls == [1] and t_pre.reference.cache_hits == {"train": False}
@@ -323,19 +323,25 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
 
 
 def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.dpo.reference_cache as reference
+    from prefixdpo.dpo.reference import reference_response_logps
 
     examples = make_examples(6)
     model = tiny_model("llama")
     settings = {"dtype": "torch.float32"}
     cache = str(tmp_path / "cache")
-    first, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
+
+    def sums_of(batch):
+        return reference_response_logps(model, batch).sums
+
+    first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
-    assert reference.load_or_compute_table(model, list(examples), cache, settings=settings)[2]  # same content
+    assert reference.load_or_compute_table(model, list(examples), cache, sums_of=sums_of,
+                                           settings=settings)[2]  # same content
     with torch.no_grad():  # one element of one weight
         p = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
         p.view(-1)[p.numel() // 2 + 3] += 1e-3
-    changed, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
+    changed, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit and not torch.equal(changed.sums, first.sums)
     # every element counts, also in tensors large enough that a strided sample (the old key) skipped some
     big = torch.nn.Linear(2048, 1100, bias=False)
@@ -369,8 +375,9 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
     from prefixdpo.dpo.reference import SeparateModelReference
 
     calls = []
-    real = SeparateModelReference.logps
-    monkeypatch.setattr(SeparateModelReference, "logps", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = SeparateModelReference.response_logps
+    monkeypatch.setattr(SeparateModelReference, "response_logps",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     train(config(tmp_path, loss_type=["aot"], max_steps=1, per_device_train_batch_size=2,
                  gradient_accumulation_steps=2), make_examples(4))
     assert len(calls) == 2  # two micro-batches, one reference pass each (not two)
@@ -379,19 +386,18 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypatch, rank):
     """A sharded model's forward is a collective: a rank with fewer examples must still run every batch."""
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.dpo.reference_cache as reference
 
     examples = make_examples(7)  # over 3 ranks: 3, 2, 2 examples; batch 2 -> 2 batches each
     calls = []
 
-    def fake_sums(model, batch, **kwargs):
+    def fake_sums(batch):
         calls.append(batch.num_responses)
         return torch.arange(batch.num_responses, dtype=torch.float32)
 
     monkeypatch.setattr(reference, "rank_and_world", lambda: (rank, 3))
-    monkeypatch.setattr(reference, "reference_sums", fake_sums)
     others = {i: [0.0] * ex.num_responses for i, ex in enumerate(examples)}  # what the other ranks send
     monkeypatch.setattr(reference, "gather", lambda obj: [others, others, obj])
-    table = reference.compute_table(None, examples, batch_size=2, device="cpu")
+    table = reference.compute_table(fake_sums, examples, batch_size=2, device="cpu")
     assert len(calls) == 2
     assert len(table) == len(examples)

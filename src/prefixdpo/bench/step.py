@@ -14,19 +14,26 @@ import torch
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.dpo.objective import LossParams
-from prefixdpo.dpo.reference import SeparateModelReference
+from prefixdpo.dpo.reference import Reference, SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 
 __all__ = ["dpo_losses", "DPOStep"]
 
 
-def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with a
-    separate reference model; grad flows into `policy` if enabled."""
+def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1,
+               chunk_size: int = 1024) -> torch.Tensor:
+    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with
+    `reference` (a prepared frozen model) as a separate reference model; grad flows into `policy` if enabled."""
     backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
-    ref = reference if isinstance(reference, SeparateModelReference) else SeparateModelReference(
-        reference, chunk_size=chunk_size, backend=backend)
-    return pair_losses(policy, batch, reference=ref, objective=Objective(params=LossParams(beta=beta)),
+    return _sigmoid_losses(policy, SeparateModelReference(reference, chunk_size=chunk_size, backend=backend), batch,
+                           backend=backend, beta=beta, chunk_size=chunk_size)
+
+
+def _sigmoid_losses(policy, reference: Reference, batch: Batch, *, backend: str, beta: float,
+                    chunk_size: int) -> torch.Tensor:
+    """`dpo_losses` with a reference strategy already built (a step reuses one)."""
+    backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
+    return pair_losses(policy, batch, reference=reference, objective=Objective(params=LossParams(beta=beta)),
                        backend=backend, chunk_size=chunk_size).losses
 
 
@@ -53,8 +60,8 @@ class DPOStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        loss = dpo_losses(self.policy, self.reference, batch, backend=self.backend, beta=self.beta,
-                          chunk_size=self.chunk_size).mean()
+        loss = _sigmoid_losses(self.policy, self.reference, batch, backend=self.backend, beta=self.beta,
+                               chunk_size=self.chunk_size).mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps, ld_pair_logps
-from prefixdpo.dpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
+from prefixdpo.dpo.objective import LossParams, PairLogps, combined_loss
 from prefixdpo.dpo.metrics import pair_metric_sums
 
 
@@ -55,9 +55,10 @@ def pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int
                params: LossParams | None = None) -> PairLogps:
     """Per-pair log-prob sums [P] of `batch` under the policy and the reference.
 
-    One attention mask serves both passes. `item["ref_logps"]` [R], when present (a precomputed table, or a
-    pre-pass of this step), is used instead of running the reference again. `params.ld_alpha` and
-    `params.use_weighting` change the sums / add WPO's weights as TRL 1.16 does (defaults: neither).
+    reference: a `reference.Reference`; the sums the micro-batch `item` carries (a precomputed table's rows,
+    or a pre-pass of this step) are used instead of running it again. One attention mask serves both
+    passes. `params.ld_alpha` and `params.use_weighting` change the sums / add WPO's weights as TRL 1.16
+    does (defaults: neither).
     """
     return _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size, item=item,
                        params=params)[0]
@@ -73,10 +74,7 @@ def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: in
                                           wpo=params.use_weighting, router_aux=router_aux)
     b, w = batch.pair_better, batch.pair_worse
     if ld_alpha is None:
-        if item is not None and "ref_logps" in item:
-            ref = item["ref_logps"].to(batch.input_ids.device)
-        else:
-            ref = reference.logps(policy, batch, mask, item)
+        ref = reference.sums(policy, batch, mask, item)
         chosen, rejected = policy_logps.sums[b], policy_logps.sums[w]
         ref_chosen = ref_rejected = None
         if ref is not None:
@@ -84,7 +82,7 @@ def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: in
     else:
         chosen, rejected = _ld(policy_logps, batch, ld_alpha)
         ref_chosen = ref_rejected = None
-        ref_logps = _reference_token_logps(reference, policy, batch, mask, item)
+        ref_logps = reference.token_logps(policy, batch, mask)
         if ref_logps is not None:
             ref_chosen, ref_rejected = (x.to(chosen.dtype) for x in _ld(ref_logps, batch, ld_alpha))
     lengths = policy_logps.counts.to(policy_logps.sums.dtype)
@@ -104,18 +102,6 @@ def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: in
 def _ld(logps: ResponseLogps, batch: Batch, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     return ld_pair_logps(logps.per_token, batch.target_response, logps.counts, batch.pair_better, batch.pair_worse,
                          alpha)
-
-
-def _reference_token_logps(reference, policy, batch: Batch, mask, item) -> ResponseLogps | None:
-    """The reference's per-token log-probs for LD-DPO's split (no grad), or None without a reference."""
-    if reference.name == "none":
-        return None
-    if not hasattr(reference, "response_logps") or (item is not None and "ref_logps" in item):
-        raise LossConfigError(
-            "ld_alpha needs the reference's per-token log-probs, but precomputed reference tables hold "
-            "per-response sums: set precompute_ref_log_probs=False to use ld_alpha"
-        )
-    return reference.response_logps(policy, batch, mask)
 
 
 def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backend: str, chunk_size: int = 1024,

@@ -7,8 +7,8 @@ import logging
 
 from transformers import TrainerCallback
 
-from prefixdpo.dpo.reference import NoReference, SeparateModelReference, is_peft_model
 from prefixdpo.errors import ConfigError
+from prefixdpo.training.model_setup import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -17,9 +17,11 @@ class SyncReferenceCallback(TrainerCallback):
     """TR-DPO (`sync_ref_model`), as TRL 1.16's `SyncRefModelCallback`: at the end of every optimizer step
     whose number is a multiple of `ref_model_sync_steps`, the reference becomes
     ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``. Both options are read
-    from `args` at each step, as TRL does."""
+    from `args` at each step, as TRL does.
 
-    def __init__(self, reference: SeparateModelReference):
+    reference: what `Reference.sync_target` returned (a strategy with `mix_in(policy, alpha)`)."""
+
+    def __init__(self, reference):
         self.reference = reference
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -46,7 +48,8 @@ def check_tr_dpo_options(args) -> None:
 
 
 def tr_dpo_callback(args, reference, policy) -> SyncReferenceCallback | None:
-    """The TR-DPO callback for `reference` if `args.sync_ref_model`, else None.
+    """The TR-DPO callback for `reference` (a `reference.Reference`) if `args.sync_ref_model`, else None.
+    Called by `reference.build_reference`.
 
     Refused with a one-line ConfigError where TRL 1.16's `DPOTrainer` refuses: a PEFT policy (its
     reference is the adapter switched off; there is no separate model to update), bad options
@@ -61,8 +64,9 @@ def tr_dpo_callback(args, reference, policy) -> SyncReferenceCallback | None:
             "model with the adapter off, so there is no separate reference model to update"
         )
     check_tr_dpo_options(args)
-    if isinstance(reference, NoReference):
+    target = reference.sync_target()  # the strategy that moves; None without a reference; refused if none can
+    if target is None:
         logger.warning("sync_ref_model=True has no effect: loss_type %s uses no reference model", args.loss_type)
         return None
-    reference.check_mixable(policy)
-    return SyncReferenceCallback(reference)
+    target.check_mixable(policy)
+    return SyncReferenceCallback(target)

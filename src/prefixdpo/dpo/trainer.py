@@ -7,7 +7,7 @@ logging, engines, export). Here:
 
 - `compute_loss`: `step.pair_losses` (policy, reference strategy, losses) for the micro-batch, normalised
   by the pairs of the whole optimizer step; losses coupled across the step's pairs get the step's context;
-- the reference: one strategy (`reference.py`), prepared for the policy's engine, precomputed tables;
+- the reference: one strategy (`reference.py`, built by `build_reference`), asked only through its methods;
 - logging: TRL's metric names, reduced over ranks (`metrics.py`).
 """
 
@@ -19,16 +19,14 @@ import torch
 
 from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.training.nonfinite import NonFiniteLossError
-from prefixdpo.dpo.tr_dpo import tr_dpo_callback
 from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
-from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
 from prefixdpo.core.forward import zero_weight_loss
 from prefixdpo.dpo.metrics import DPOMetricSums
-from prefixdpo.training.model_setup import prepare_policy, prepare_reference
-from prefixdpo.dpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
+from prefixdpo.training.model_setup import prepare_policy
+from prefixdpo.dpo.reference import build_reference
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
@@ -63,31 +61,22 @@ class PrefixDPOTrainer(PrefixTrainerBase):
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._init_run_state()
-        ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
-        self.reference = choose_reference(
-            needs_reference=args.needs_reference, precompute=args.precompute_ref_log_probs, ref_model=ref_model,
-            policy=self.model, chunk_size=args.logprob_chunk_size, backend=self.backend,
-            cache_dir=args.resolved_ref_cache_dir(),
-            batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
-            pad_token_id=self.pad_token_id, device=self.accelerator.device,
-        )
-        if isinstance(self.reference, SeparateModelReference):  # sharded / offloaded as the policy's engine needs
-            self.reference.model = prepare_reference_for_engine(self.reference.model, self.accelerator)
-        sync = tr_dpo_callback(args, self.reference, self.model)  # TR-DPO; refuses PEFT/precomputed as TRL 1.16
-        if sync is not None:
-            self.add_callback(sync)
+        self.reference = build_reference(args, policy=self.model, ref_model=ref_model, backend=self.backend,
+                                         pad_token_id=self.pad_token_id, accelerator=self.accelerator)
+        for callback in self.reference.callbacks:  # TR-DPO's sync, when asked for
+            self.add_callback(callback)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
                                    resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
         self.coupling = StepCoupling(self.objective, self.accelerator)
-        if isinstance(self.reference, PrecomputedReference):  # every table before training, as TRL does
-            evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
-            named = [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
-            for name, examples in named:
-                if examples is not None:
-                    self.reference.table_for(examples, self.model, name)
+        self.reference.precompute_tables(self._named_datasets(), self.model)  # before training, as TRL does
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
+
+    def _named_datasets(self) -> list:
+        """[(name, examples or None)]: train, then each eval set ("eval", or "eval_<key>" of a dict)."""
+        evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
+        return [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
 
     def _new_metric_sums(self) -> DPOMetricSums:
         return DPOMetricSums()
@@ -95,14 +84,12 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     @property
     def ref_model(self):
         """The separate reference model run every step, as TRL's attribute (None for other strategies)."""
-        return getattr(self.reference, "model", None)
+        return self.reference.model
 
     # ---- data -------------------------------------------------------------------------------
 
     def _reference_table(self, examples, name: str):
-        if isinstance(self.reference, PrecomputedReference):
-            return self.reference.table_for(examples, self.model, name)
-        return None
+        return self.reference.table_for(examples, self.model, name)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # All micro-batches of one optimizer step are in hand here: losses coupled across the step's pairs
@@ -116,9 +103,9 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         in the item, so the training pass does not run the reference again (LD-DPO needs its tokens: rerun)."""
         batch = item["batch"].to(self.args.device)
         with torch.no_grad():
-            if "ref_logps" not in item and self.objective.params.ld_alpha is None:
-                ref = self.reference.logps(self.model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
-                                                                                   self.backend), item)
+            if self.objective.params.ld_alpha is None:
+                ref = self.reference.sums(self.model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
+                                                                                  self.backend), item)
                 if ref is not None:
                     item["ref_logps"] = ref
             return pair_logps(self.model, batch, reference=self.reference, backend=self.backend,
