@@ -84,7 +84,8 @@ def test_trainer_honours_train_sampling_strategy(tmp_path):
     examples = make_examples(12)
     for strategy, packing in (("sequential", False), ("sequential", True), ("random", True)):
         args = PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
-                               packing=packing, pack_length=64, train_sampling_strategy=strategy)
+                               packing=packing, pack_length=64 if packing else "auto",
+                               train_sampling_strategy=strategy)
         trainer = PrefixDPOTrainer(model=tiny_model("llama"), args=args, train_dataset=examples)
         trainer.get_train_dataloader()
         order = flat(trainer._train_micro.plan[0])
