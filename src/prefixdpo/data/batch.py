@@ -69,12 +69,15 @@ class Batch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device | str) -> "Batch":
-        moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return replace(self, **moved)
+        return self._with_tensors(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "Batch":
+        """A copy in page-locked memory (`DataLoader(pin_memory=True)` calls this): `to(cuda)` is then asynchronous."""
+        return self._with_tensors(lambda t: t.pin_memory())
+
+    def _with_tensors(self, fn) -> "Batch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from prefixdpo.atomic_io import atomic_path
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.errors import ConfigError
@@ -68,17 +69,16 @@ def _as_reference(model, adapter_off: bool):
             inner.train(was_training)
 
 
-def reference_response_logps(model, batch: Batch, *, adapter_off: bool = False, chunk_size: int = 1024,
-                             attention_mask=None, backend: str = "auto"):
+def reference_response_logps(model, batch: Batch, attention_mask, *, adapter_off: bool = False,
+                             chunk_size: int = 1024):
     """No-grad `ResponseLogps` of `batch` under `model` (its adapter off if asked): sums [R], per-token [T]."""
     with _as_reference(model, adapter_off):
-        return compute_response_logps(model, batch, backend=backend, chunk_size=chunk_size,
-                                      attention_mask=attention_mask)
+        return compute_response_logps(model, batch, attention_mask, chunk_size=chunk_size)
 
 
-def reference_sums(model, batch: Batch, **kwargs) -> torch.Tensor:
+def reference_sums(model, batch: Batch, attention_mask, **kwargs) -> torch.Tensor:
     """No-grad per-response log-prob sums [R] of `batch` (see `reference_response_logps`)."""
-    return reference_response_logps(model, batch, **kwargs).sums.detach()
+    return reference_response_logps(model, batch, attention_mask, **kwargs).sums.detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,8 +109,7 @@ class SeparateModelReference:
 
     def response_logps(self, policy, batch, mask):
         """Sums and per-token log-probs (LD-DPO needs the tokens), no grad."""
-        return reference_response_logps(self.model, batch, chunk_size=self.chunk_size, attention_mask=mask,
-                                        backend=self.backend)
+        return reference_response_logps(self.model, batch, mask, chunk_size=self.chunk_size)
 
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
         return self.response_logps(policy, batch, mask).sums.detach()
@@ -160,8 +159,7 @@ class AdapterReference:
 
     def response_logps(self, policy, batch, mask):
         """Sums and per-token log-probs (LD-DPO needs the tokens), no grad."""
-        return reference_response_logps(policy, batch, adapter_off=True, chunk_size=self.chunk_size,
-                                        attention_mask=mask, backend=self.backend)
+        return reference_response_logps(policy, batch, mask, adapter_off=True, chunk_size=self.chunk_size)
 
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
         return self.response_logps(policy, batch, mask).sums.detach()
@@ -192,7 +190,7 @@ class PrecomputedReference:
 
     source: a SeparateModelReference (its model is parked on the CPU between tables) or an
             AdapterReference (the policy with its adapter off; needs `policy` at `table_for` time).
-    The micro-batch carries its rows of the table as `item["ref_logps"]` (the loader gathers them).
+    The micro-batch carries its rows of the table as `item.ref_logps` (the loader gathers them).
     """
 
     name = "precomputed"
@@ -207,7 +205,7 @@ class PrecomputedReference:
         self.cache_hits: dict[str, bool] = {}  # dataset name -> loaded from disk
 
     def logps(self, policy, batch, mask, item=None) -> torch.Tensor:
-        return item["ref_logps"].to(batch.input_ids.device)
+        return item.ref_logps.to(batch.input_ids.device)
 
     def table_for(self, examples: Sequence[Example], policy, name: str = "data") -> RefLogpsTable:
         """The table of `examples`: in memory by content, else from the disk cache, else computed."""
@@ -326,6 +324,7 @@ def compute_table(
     """One no-grad prefix-shared pass over `examples` (sharded over ranks, then gathered)."""
     rank, world = rank_and_world()
     device = device or next(unwrap(model).parameters()).device
+    backend = resolve_backend(backend, device, needs_grad=False)
     mine = list(range(rank, len(examples), world))
     mine.sort(key=lambda i: examples[i].shared_length)  # similar lengths together: less padding
     results: dict[int, list[float]] = {}
@@ -335,8 +334,9 @@ def compute_table(
         ids = mine[start : start + batch_size]
         run = ids or [0]  # a rank out of examples runs example 0 and keeps nothing
         batch = build_batch([examples[i] for i in run], prefix_sharing=True, pad_token_id=pad_token_id).to(device)
-        sums = reference_sums(model, batch, adapter_off=adapter_off, chunk_size=chunk_size,
-                              backend=backend).float().cpu()
+        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)  # one per batch of the table
+        sums = reference_sums(model, batch, attention_mask=mask, adapter_off=adapter_off,
+                              chunk_size=chunk_size).float().cpu()
         offset = 0
         for i in ids:
             k = examples[i].num_responses

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.forward import decoder_output, through_engine
@@ -58,10 +57,11 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
     return line, torch.where(last >= 0, last, first)
 
 
-def compute_response_scores(model, batch: Batch, *, backend: str = "auto", attention_mask=None) -> torch.Tensor:
+def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor:
     """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
 
-    A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
+    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once by the
+    caller. A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
     its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
     """
     cfg = text_config(base_model(model))
@@ -71,10 +71,6 @@ def compute_response_scores(model, batch: Batch, *, backend: str = "auto", atten
             "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
             "does from the tokenizer's pad token): it marks where each sequence ends")
     check_sequences_fit_window(model, batch)
-    device = batch.input_ids.device
-    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
-    if attention_mask is None:
-        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
     empty = batch.num_responses == 0
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
 
