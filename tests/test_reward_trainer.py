@@ -186,18 +186,10 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
 def test_a_step_builds_one_mask_per_micro_batch_and_counts_its_tokens(tmp_path, monkeypatch):
     """One mask per micro-batch (counted where the sdpa mask is made), and the MicroBatch Trainer hands over is
     the loader's, with its margins; `include_num_input_tokens_seen` counts every slot of the lines run."""
-    import prefixdpo.core.attention.backends as backends
-    from prefixdpo.data.loader import MicroBatches
+    from test_trainer import record_masks_and_micro_batches
 
-    masks, made, seen = [], [], []
-    real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
-
-    def counted_mask(doc_ids, branch_ids):
-        masks.append(doc_ids.shape)
-        return real_mask(doc_ids, branch_ids)
-
-    monkeypatch.setattr(backends, "dense_mask", counted_mask)
-    monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])
+    masks, made = record_masks_and_micro_batches(monkeypatch)
+    seen = []
 
     class Recording(PrefixRewardTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -400,15 +400,11 @@ MASK_CASES = {  # options of a 1-step run of 2 micro-batches (batch 2, accumulat
 }
 
 
-@pytest.mark.parametrize("case", list(MASK_CASES))
-def test_a_training_step_builds_one_mask_per_micro_batch(tmp_path, monkeypatch, case):
-    """Every pass over a micro-batch (policy, reference, the coupled losses' pre-pass) shares one mask, counted
-    where the sdpa mask is made, whoever calls; evaluation too. And Trainer hands `compute_loss` the loader's own
-    MicroBatch objects (beside the step's derived values), untouched."""
+def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
+    """(every sdpa mask made, whoever asks for it; every MicroBatch the loader makes), as they happen."""
     import prefixdpo.core.attention.backends as backends
-    from prefixdpo.data.loader import MicroBatch
 
-    masks, made, seen = [], [], []
+    masks, made = [], []
     real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
 
     def counted_mask(doc_ids, branch_ids):
@@ -417,6 +413,18 @@ def test_a_training_step_builds_one_mask_per_micro_batch(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(backends, "dense_mask", counted_mask)
     monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])
+    return masks, made
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_a_training_step_builds_one_mask_per_micro_batch(tmp_path, monkeypatch, case):
+    """Every pass over a micro-batch (policy, reference, the coupled losses' pre-pass) shares one mask, counted
+    where the sdpa mask is made, whoever calls; evaluation too. And Trainer hands `compute_loss` the loader's own
+    MicroBatch objects (beside the step's derived values), untouched."""
+    from prefixdpo.data.loader import MicroBatch
+
+    masks, made = record_masks_and_micro_batches(monkeypatch)
+    seen = []
 
     class Recording(PrefixDPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
