@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 import prefixdpo.dpo.reference_cache as reference_cache
 from prefixdpo.dpo.reference import reference_response_logps
+from prefixdpo.core.attention.masks import dense_mask
 from conftest import make_examples, tiny_model
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 
@@ -25,8 +26,10 @@ SETTINGS = {"dtype": "torch.float32"}
 
 def load_or_compute(model, examples, cache):
     """`load_or_compute_table` with `model` as a separate reference (its no-grad pass computes the sums)."""
-    return reference_cache.load_or_compute_table(model, examples, cache, settings=SETTINGS,
-                                                 sums_of=lambda batch: reference_response_logps(model, batch).sums)
+    def sums_of(batch):
+        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+
+    return reference_cache.load_or_compute_table(model, examples, cache, settings=SETTINGS, sums_of=sums_of)
 
 
 def _read(path):

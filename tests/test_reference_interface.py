@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.data.batch import build_batch
+from prefixdpo.data.loader import MicroBatch
 from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.objective import LossConfigError, LossParams
 from prefixdpo.dpo.reference import PrecomputedReference, Reference, SeparateModelReference
@@ -45,16 +47,17 @@ def test_the_step_runs_a_user_defined_reference():
     """pair_losses / pair_logps with a constant reference: DPO's loss and LD-DPO's split of its sums."""
     model, examples, c, beta = tiny_model("llama"), make_examples(6, ks=(2, 3)), -0.7, 0.5
     batch = build_batch(examples, prefix_sharing=True)
-    policy = compute_response_logps(model, batch, backend="sdpa")
+    mask = dense_mask(batch.doc_ids, batch.branch_ids)
+    policy = compute_response_logps(model, batch, mask)
     b, w, n = batch.pair_better, batch.pair_worse, batch.response_lengths.float()
-    step = pair_losses(model, batch, reference=ConstantReference(c), objective=Objective(params=LossParams(beta=beta)),
-                       backend="sdpa")
+    step = pair_losses(model, batch, mask, reference=ConstantReference(c),
+                       objective=Objective(params=LossParams(beta=beta)))
     want = -torch.nn.functional.logsigmoid(beta * ((policy.sums[b] - c * n[b]) - (policy.sums[w] - c * n[w])))
     torch.testing.assert_close(step.losses, want, rtol=0, atol=1e-6)
     assert step.losses.requires_grad  # the policy's pass keeps its grad
 
     alpha = 0.3
-    ld = pair_logps(model, batch, reference=ConstantReference(c), backend="sdpa", params=LossParams(ld_alpha=alpha))
+    ld = pair_logps(model, batch, mask, reference=ConstantReference(c), params=LossParams(ld_alpha=alpha))
     shared = torch.minimum(n[b], n[w])
     torch.testing.assert_close(ld.ref_chosen_logps, c * (shared + alpha * (n[b] - shared)), rtol=0, atol=1e-6)
     torch.testing.assert_close(ld.ref_rejected_logps, c * (shared + alpha * (n[w] - shared)), rtol=0, atol=1e-6)
@@ -104,13 +107,15 @@ def test_precomputed_sums_refuse_ld_alpha_in_one_line(tmp_path):
     """LD-DPO needs per-token log-probs, which precomputed tables do not hold (as before: a LossConfigError)."""
     model, examples = tiny_model("llama"), make_examples(4)
     batch = build_batch(examples, prefix_sharing=True)
+    mask = dense_mask(batch.doc_ids, batch.branch_ids)
     pre = PrecomputedReference(SeparateModelReference(tiny_model("llama")), cache_dir=str(tmp_path), batch_size=2,
                                pad_token_id=0, device="cpu")
-    item = {"ref_logps": pre.table_for(examples, model).gather(torch.arange(len(examples)))}
+    ids = torch.arange(len(examples))
+    item = MicroBatch(batch, ids, step_pairs=batch.num_pairs, ref_logps=pre.table_for(examples, model).gather(ids))
     with pytest.raises(LossConfigError, match=r"^ld_alpha needs the reference's per-token log-probs") as err:
-        pair_logps(model, batch, reference=pre, backend="sdpa", item=item, params=LossParams(ld_alpha=0.5))
+        pair_logps(model, batch, mask, reference=pre, item=item, params=LossParams(ld_alpha=0.5))
     assert "\n" not in str(err.value)
     # without ld_alpha the table's rows are the reference: the sums of a live pass of the same model
-    live = pair_logps(model, batch, reference=SeparateModelReference(pre.source.model), backend="sdpa")
-    carried = pair_logps(model, batch, reference=pre, backend="sdpa", item=item)
+    live = pair_logps(model, batch, mask, reference=SeparateModelReference(pre.source.model))
+    carried = pair_logps(model, batch, mask, reference=pre, item=item)
     torch.testing.assert_close(carried.ref_chosen_logps, live.ref_chosen_logps, rtol=0, atol=1e-5)

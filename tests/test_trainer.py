@@ -19,6 +19,7 @@ import signal
 import pytest
 import torch
 
+from prefixdpo.core.attention.masks import dense_mask
 from conftest import make_examples, tiny_model
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
@@ -332,7 +333,7 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     cache = str(tmp_path / "cache")
 
     def sums_of(batch):
-        return reference_response_logps(model, batch).sums
+        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
 
     first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
@@ -401,3 +402,56 @@ def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypat
     table = reference.compute_table(fake_sums, examples, batch_size=2, device="cpu")
     assert len(calls) == 2
     assert len(table) == len(examples)
+
+
+MASK_CASES = {  # options of a 1-step run of 2 micro-batches (batch 2, accumulation 2)
+    "sigmoid": dict(),  # policy pass + the separate reference's pass
+    "aot": dict(loss_type=["aot"]),  # the step's pre-pass (reference + no-grad policy), then the training pass
+    "aot_ld": dict(loss_type=["aot"], ld_alpha=0.5),  # the reference's tokens rerun in the training pass
+    "precomputed": dict(precompute_ref_log_probs=True),  # the table's rows come with the micro-batch
+}
+
+
+def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
+    """(every sdpa mask made, whoever asks for it; every MicroBatch the loader makes), as they happen."""
+    import prefixdpo.core.attention.backends as backends
+
+    masks, made = [], []
+    real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
+
+    def counted_mask(doc_ids, branch_ids):
+        masks.append(doc_ids.shape)
+        return real_mask(doc_ids, branch_ids)
+
+    monkeypatch.setattr(backends, "dense_mask", counted_mask)
+    monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])
+    return masks, made
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_a_training_step_builds_one_mask_per_micro_batch(tmp_path, monkeypatch, case):
+    """Every pass over a micro-batch (policy, reference, the coupled losses' pre-pass) shares one mask, counted
+    where the sdpa mask is made, whoever calls; evaluation too. And Trainer hands `compute_loss` the loader's own
+    MicroBatch objects (beside the step's derived values), untouched."""
+    from prefixdpo.data.loader import MicroBatch
+
+    masks, made = record_masks_and_micro_batches(monkeypatch)
+    seen = []
+
+    class Recording(PrefixDPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(inputs.micro)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  per_device_eval_batch_size=2, **MASK_CASES[case])
+    trainer = Recording(model=tiny_model("llama"), args=args, train_dataset=make_examples(4),
+                        eval_dataset=make_examples(4, seed=1))
+    masks.clear()  # a precomputed table's own batches are not the step's
+    trainer.train()
+    assert len(seen) == 2 and all(isinstance(m, MicroBatch) for m in seen)
+    assert all(a is b for a, b in zip(seen, made[: len(seen)]))  # the loader's objects, in order
+    assert len(masks) == 2
+    masks.clear()
+    trainer.evaluate()
+    assert len(masks) == 2  # two evaluation micro-batches

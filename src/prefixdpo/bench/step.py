@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.dpo.objective import LossParams
 from prefixdpo.dpo.reference import Reference, SeparateModelReference
@@ -23,32 +23,29 @@ __all__ = ["dpo_losses", "DPOStep"]
 def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1,
                chunk_size: int = 1024) -> torch.Tensor:
     """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with
-    `reference` (a prepared frozen model) as a separate reference model; grad flows into `policy` if enabled."""
+    `reference` (a prepared frozen model, or a `Reference` a step reuses) as a separate reference model; grad
+    flows into `policy` if enabled. The batch's one mask, for both passes, is built here."""
     backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
-    return _sigmoid_losses(policy, SeparateModelReference(reference, chunk_size=chunk_size, backend=backend), batch,
-                           backend=backend, beta=beta, chunk_size=chunk_size)
-
-
-def _sigmoid_losses(policy, reference: Reference, batch: Batch, *, backend: str, beta: float,
-                    chunk_size: int) -> torch.Tensor:
-    """`dpo_losses` with a reference strategy already built (a step reuses one)."""
-    backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
-    return pair_losses(policy, batch, reference=reference, objective=Objective(params=LossParams(beta=beta)),
-                       backend=backend, chunk_size=chunk_size).losses
+    ref = reference if isinstance(reference, Reference) else SeparateModelReference(
+        reference, chunk_size=chunk_size, backend=backend)
+    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    return pair_losses(policy, batch, mask, reference=ref, objective=Objective(params=LossParams(beta=beta)),
+                       chunk_size=chunk_size).losses
 
 
 class DPOStep:
     """One optimizer step per call: `step(batch) -> loss` (mean over the batch's pairs).
 
     policy and reference: prepared models (`prefixdpo.core.model_checks.prepare_model`) on the batch's device.
-    backend: "sdpa" (CPU) or "flex" (CUDA); the mask is built inside the step (its cost is timed).
+    backend: "sdpa"/"segmented" (CPU) or "flex" (CUDA), resolved once here; the mask is built inside the step
+    (its cost is timed).
     """
 
     def __init__(self, policy, reference, *, backend: str, lr: float = 1e-6, beta: float = 0.1,
                  chunk_size: int = 1024):
         self.policy = policy
-        self.reference = SeparateModelReference(reference, chunk_size=chunk_size, backend=backend)
-        self.backend = backend
+        self.backend = resolve_backend(backend, next(policy.parameters()).device, needs_grad=True)
+        self.reference = SeparateModelReference(reference, chunk_size=chunk_size, backend=self.backend)
         self.beta = beta
         self.chunk_size = chunk_size
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -60,8 +57,8 @@ class DPOStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        loss = _sigmoid_losses(self.policy, self.reference, batch, backend=self.backend, beta=self.beta,
-                               chunk_size=self.chunk_size).mean()
+        loss = dpo_losses(self.policy, self.reference, batch, backend=self.backend, beta=self.beta,
+                          chunk_size=self.chunk_size).mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

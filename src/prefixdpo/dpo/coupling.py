@@ -4,10 +4,13 @@
 Trainer hands us all micro-batches of one optimizer step before the first forward
 (`PrefixDPOTrainer.get_batch_samples`). We collect what the coupled losses need over the step's pairs on
 every rank, build the step's context once (`prefixdpo.dpo.objective.build_step_context`), and give each
-micro-batch its slice (`item["step_context"]`), so packing, gradient accumulation and world size cannot change
-the loss. The chosen-token total comes from the data (no forward); the step's pairs, where a row needs them,
-from one no-grad pre-pass over this rank's micro-batches, gathered over ranks (its reference sums stay in the
-items, so the extra cost is one no-grad policy forward per micro-batch).
+micro-batch its slice (beside it, in the trainer's `StepInputs`), so packing, gradient accumulation and world size
+cannot change the loss:
+
+- sft / orpo / RPO need the step's chosen-token total: from the data, no forward;
+- aot, aot_unpaired and training bco_pair need every pair's detached log-probs: one no-grad pre-pass over
+  this rank's micro-batches, gathered over ranks. Its reference sums (and each micro-batch's mask) are kept for
+  the training pass, so the extra cost is one no-grad policy forward per micro-batch.
 
 Pairs are numbered rank by rank, then micro-batch by micro-batch, then in batch order.
 """
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.dpo.loss_table import StepPairs, canonical_loss_types, coupled, loss_row, needs_step_pairs
+from prefixdpo.data.loader import MicroBatch
+from prefixdpo.dpo.loss_table import PairLogps, StepPairs, canonical_loss_types, coupled, loss_row, needs_step_pairs
 from prefixdpo.dpo.objective import RunningMean, build_step_context
 
 
 class StepCoupling:
-    """Builds and attaches each step's context; owns the losses' running means (saved in checkpoints)."""
+    """Builds each micro-batch's slice of the step's context; owns the losses' running means (saved in
+    checkpoints)."""
 
     def __init__(self, objective, accelerator):
         self.objective = objective
@@ -31,16 +36,18 @@ class StepCoupling:
         self.needs_pairs = needs_step_pairs(self.names, train=True)
         self.running = {name: RunningMean() for name in self.names if loss_row(name).running_mean}
 
-    def attach(self, samples: list[dict], prepass) -> None:
-        """Set `item["step_context"]` on every micro-batch of the step. prepass(item) -> detached PairLogps."""
+    def contexts(self, samples: list[MicroBatch], prepassed: list[PairLogps | None]) -> list:
+        """Each micro-batch's slice of the step context (`samples`: the step's micro-batches on this rank).
+
+        prepassed: per micro-batch, its detached PairLogps from the pre-pass (where `needs_pairs` and it has pairs).
+        """
         if not self.enabled or not samples:
-            return
+            return [None] * len(samples)
         rows, counts = [], []  # per pair: chosen tokens[, policy c, policy r, ref c, ref r]
-        for item in samples:
-            batch = item["batch"]
+        for item, p in zip(samples, prepassed):
+            batch = item.batch
             cols = [batch.response_lengths[batch.pair_better].double()]
             if self.needs_pairs and batch.num_pairs:
-                p = prepass(item)
                 cols += [t.detach().double().cpu() for t in (p.policy_chosen_logps, p.policy_rejected_logps,
                                                               p.ref_chosen_logps, p.ref_rejected_logps)]
             width = 5 if self.needs_pairs else 1
@@ -49,15 +56,17 @@ class StepCoupling:
         everyone = self._gather(torch.cat(rows))  # one [P_rank, width] tensor per rank, in rank order
         offset = sum(int(t.shape[0]) for t in everyone[: self.accelerator.process_index])
         step = torch.cat(everyone)
-        planned = int(samples[0]["step_pairs"])
+        planned = samples[0].step_pairs
         if step.shape[0] != planned:
             raise RuntimeError(f"step context: gathered {step.shape[0]} pairs, the plan says {planned}")
         pairs = StepPairs(*step[:, 1:5].unbind(1)) if self.needs_pairs else None
         context = build_step_context(self.names, self.objective.params, pairs, num_pairs=planned,
                                      chosen_tokens=float(step[:, 0].sum()), running=self.running, train=True)
-        for item, n in zip(samples, counts):
-            item["step_context"] = context.local(torch.arange(offset, offset + n))
+        slices = []
+        for n in counts:
+            slices.append(context.local(torch.arange(offset, offset + n)))
             offset += n
+        return slices
 
     def for_evaluation(self, inputs):
         """Context of one evaluation micro-batch (its own pairs; running means are read, never moved)."""

@@ -3,7 +3,7 @@
 The trainer, the step and the benchmark only call `Reference` methods; none asks which strategy it holds:
 
 - `sums(policy, batch, mask, item)`: no-grad per-response log-prob sums [R] (None: no reference), the rows
-  the micro-batch carries when it has them (a precomputed table's, or this step's pre-pass);
+  the micro-batch carries when it has them (a precomputed table's; the step passes its pre-pass's own);
 - `token_logps(policy, batch, mask)`: sums [R] and per-token [T] log-probs for LD-DPO, or a one-line
   refusal where the strategy holds sums only;
 - `prepare_for_engine(accelerator)`, `precompute_tables(datasets, policy)`, `table_for(examples, policy,
@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.engines_deepspeed import reference_copy
 from prefixdpo.core.forward import compute_response_logps
@@ -49,9 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 def carried_sums(item) -> torch.Tensor | None:
-    """The reference sums [R] a micro-batch carries (a precomputed table's rows, or this step's pre-pass), or
-    None. The one place that reads them from the loader's item."""
-    return None if item is None else item.get("ref_logps")
+    """The reference sums [R] a micro-batch carries (a precomputed table's rows), or None. The one place that
+    reads them from the loader's `MicroBatch`."""
+    return None if item is None else item.ref_logps
 
 
 @contextlib.contextmanager
@@ -68,12 +69,11 @@ def _as_reference(model, adapter_off: bool):
             inner.train(was_training)
 
 
-def reference_response_logps(model, batch: Batch, *, adapter_off: bool = False, chunk_size: int = 1024,
-                             attention_mask=None, backend: str = "auto") -> ResponseLogps:
+def reference_response_logps(model, batch: Batch, attention_mask, *, adapter_off: bool = False,
+                             chunk_size: int = 1024) -> ResponseLogps:
     """No-grad `ResponseLogps` of `batch` under `model` (its adapter off if asked): sums [R], per-token [T]."""
     with _as_reference(model, adapter_off):
-        return compute_response_logps(model, batch, backend=backend, chunk_size=chunk_size,
-                                      attention_mask=attention_mask)
+        return compute_response_logps(model, batch, attention_mask, chunk_size=chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,8 +149,13 @@ class ModelPassReference(Reference):
         raise NotImplementedError
 
     def response_logps(self, policy, batch, mask) -> ResponseLogps:
-        return reference_response_logps(self.weights(policy), batch, adapter_off=self.adapter_off,
-                                        chunk_size=self.chunk_size, attention_mask=mask, backend=self.backend)
+        return reference_response_logps(self.weights(policy), batch, mask, adapter_off=self.adapter_off,
+                                        chunk_size=self.chunk_size)
+
+    def _mask(self, batch: Batch):
+        """A table batch's mask (one per batch, no grad)."""
+        backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=False)
+        return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""
@@ -167,7 +172,7 @@ class ModelPassReference(Reference):
         settings = {"dtype": str(next(unwrap(model).parameters()).dtype), "adapter_off": self.adapter_off}
         with self.lent_to(device):
             return load_or_compute_table(
-                model, examples, cache_dir, sums_of=lambda batch: self.sums(policy, batch, None),
+                model, examples, cache_dir, sums_of=lambda batch: self.sums(policy, batch, self._mask(batch)),
                 skip_adapter=self.adapter_off, settings=settings, batch_size=batch_size, pad_token_id=pad_token_id,
                 device=device,
             )
