@@ -127,8 +127,8 @@ def test_trainer_imports_and_trains_where_trl_and_datasets_are_absent():
 
 
 def test_grpo_plan_and_names_match_the_grpo_package():
-    from prefixdpo.grpo.bench import PROFILES
-    from prefixdpo.grpo.gpu_check import VERIFY_ARCHS
+    from prefixdpo.bench.grpo import PROFILES
+    from prefixdpo.gpu_check_grpo import VERIFY_ARCHS
 
     assert gpu_check.GRPO_PROFILES == tuple(PROFILES) and gpu_check.GRPO_ARCHS == VERIFY_ARCHS
     plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"], sections=("grpo",))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefixdpo.cli import main
-from prefixdpo.grpo.bench import (
+from prefixdpo.bench.grpo import (
     MODES,
     PROFILES,
     GroupTrainingStep,

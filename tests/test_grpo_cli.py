@@ -81,7 +81,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     data.write_text('{"prompt": "hello"}\n{"question": "no prompt here"}\n')
     base = ["grpo", "--model", saved_tiny_model(tmp_path / "m"), "--dataset", str(data), "--output-dir",
             str(tmp_path / "o"), "--max_steps", "1"]
-    assert main(base + ["--reward_funcs", "prefixdpo.grpo.demo:vowel_share"]) == 2
+    assert main(base + ["--reward_funcs", "prefixdpo.demo_grpo:vowel_share"]) == 2
     assert "record 1: no 'prompt' field (fields: question)" in _error_line(capsys)
     assert main(base + ["--reward_funcs", "no_such_reward"]) == 2
     assert "no_such_reward" in _error_line(capsys)
@@ -149,7 +149,7 @@ def test_rloo_command_trains_on_a_given_model(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     prompt_dataset(8).to_json(str(data))
     stdout = _run_cli(["rloo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
-                       "prefixdpo.grpo.demo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size",
+                       "prefixdpo.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size",
                        "4", "--max_completion_length", "8", "--max_steps", "2", "--logging_steps", "1",
                        "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"],
                       capsys)

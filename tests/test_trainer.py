@@ -324,6 +324,7 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
 
 
 def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
+    import prefixdpo.core.fingerprints as fingerprints
     import prefixdpo.dpo.reference_cache as reference
     from prefixdpo.dpo.reference import reference_response_logps
 
@@ -346,17 +347,17 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     assert not hit and not torch.equal(changed.sums, first.sums)
     # every element counts, also in tensors large enough that a strided sample (the old key) skipped some
     big = torch.nn.Linear(2048, 1100, bias=False)
-    before = reference.weights_fingerprint(big)
+    before = fingerprints.weights_fingerprint(big)
     with torch.no_grad():
         big.weight.view(-1)[1] += 1e-3  # odd index: a stride-2 sample never reads it
-    assert reference.weights_fingerprint(big) != before
+    assert fingerprints.weights_fingerprint(big) != before
     # two eval sets of one trainer get two tables, whatever Python objects hold them
     t, _ = train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples)
     evals = [make_examples(4, seed=1), make_examples(4, seed=2)]
     t.evaluate(evals[0]), t.evaluate(evals[1])
     tables = t.reference.tables
-    assert len(tables) == 3 and len({reference.data_fingerprint(e) for e in evals}) == 2
-    assert all(reference.data_fingerprint(e) in tables for e in evals)
+    assert len(tables) == 3 and len({fingerprints.data_fingerprint(e) for e in evals}) == 2
+    assert all(fingerprints.data_fingerprint(e) in tables for e in evals)
 
 
 def test_throughput_counts_pairs(tmp_path):

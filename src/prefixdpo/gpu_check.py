@@ -16,7 +16,7 @@ Four sections, each a list of checks; a table on stdout, and gpu-check.json + gp
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
   Bench runs stop at the time budget (the rest are listed as skipped); they never fail the run.
-- grpo (`prefixdpo.grpo.gpu_check`, only where TRL and `datasets` are installed; else one line and one skipped
+- grpo (`prefixdpo.gpu_check_grpo`, only where TRL and `datasets` are installed; else one line and one skipped
   check): `verify --task grpo` on tiny Llama and Qwen2, fp32 and bf16, per backend, against TRL's own GRPO pass
   ("grpo verify", fails the run like verify); `bench --task grpo`'s CUDA mode on the bench model until the end of
   the budget, and generation's share of a step ("grpo bench", never fails the run). The GRPO bench gets the last
@@ -346,7 +346,7 @@ def grpo_section(backends: list[str], device: str, deadline: float, *, bench: bo
         log(line)
         return [CheckResult("grpo verify", "all", "skipped", line.split(": ", 2)[2])]
     from prefixdpo.core.verify import DTYPE_TOLERANCES
-    from prefixdpo.grpo import gpu_check as grpo
+    from prefixdpo import gpu_check_grpo as grpo
 
     results = []
     for arch in GRPO_ARCHS:

@@ -75,7 +75,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--trust-remote-code", action="store_true")
-    # --task grpo only (prefixdpo.grpo.bench_report)
+    # --task grpo only (prefixdpo.bench.grpo_report)
     p.add_argument("--rollouts", type=int, default=None, help="grpo: rollouts (optimizer steps) per profile")
     p.add_argument("--beta", type=float, default=0.04, help="grpo: KL coefficient; > 0 adds the reference pass")
     p.add_argument("--num-iterations", type=int, default=1,
@@ -135,7 +135,7 @@ def _length_scale(value, profile) -> float:
 
 def run(args) -> int:
     if args.task == "grpo":
-        from prefixdpo.grpo.bench_report import run_group_bench
+        from prefixdpo.bench.grpo_report import run_group_bench
 
         return run_group_bench(args, threads=args.threads or _idle_cores())
     import torch

@@ -38,7 +38,7 @@ DEMO_DEFAULTS: dict[str, str | list[str]] = {
     "seed": "0",
     "gradient_checkpointing": "false",
     "bf16": "false",
-    "reward_funcs": ["prefixdpo.grpo.demo:vowel_share"],
+    "reward_funcs": ["prefixdpo.demo_grpo:vowel_share"],
 }
 
 
@@ -119,7 +119,7 @@ def run(args) -> int:
     start = time.time()
     demo = None
     if model_args.model_name_or_path is None or script_args.dataset_name is None:
-        from prefixdpo.grpo.demo import build_group_demo_for_run
+        from prefixdpo.demo_grpo import build_group_demo_for_run
 
         demo = build_group_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
         print(f"Embedded default built in {demo.model_dir.parent}.")

@@ -135,7 +135,7 @@ def run(args) -> int:
     grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
     if args.task == "grpo":
         try:
-            from prefixdpo.grpo.verify import run_verify_command
+            from prefixdpo.commands.verify_grpo import run_verify_command
         except ModuleNotFoundError as err:
             if err.name != "trl":
                 raise
@@ -146,7 +146,7 @@ def run(args) -> int:
 
     from prefixdpo.core.fit import check_positions
     from prefixdpo.core.logprobs import UnsupportedModelError
-    from prefixdpo.core.model_checks import check_model_supported, text_config
+    from prefixdpo.core.model_checks import check_model_supported
     from prefixdpo.core.models import load_causal_lm, load_tokenizer
     from prefixdpo.core.verify import compare, stock_implementation
 

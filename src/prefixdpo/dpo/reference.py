@@ -41,7 +41,8 @@ from prefixdpo.core.model_checks import unwrap
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
 from prefixdpo.dpo.objective import LossConfigError
-from prefixdpo.dpo.reference_cache import RefLogpsTable, data_fingerprint, load_or_compute_table
+from prefixdpo.core.fingerprints import data_fingerprint
+from prefixdpo.dpo.reference_cache import RefLogpsTable, load_or_compute_table
 from prefixdpo.dpo.tr_dpo import tr_dpo_callback
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_setup import is_peft_model, prepare_reference

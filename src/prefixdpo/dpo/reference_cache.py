@@ -24,7 +24,8 @@ from typing import Sequence
 import torch
 
 from prefixdpo.atomic_io import atomic_path
-from prefixdpo.core.model_checks import base_model, unwrap
+from prefixdpo.core.fingerprints import config_fingerprint, data_fingerprint, weights_fingerprint
+from prefixdpo.core.model_checks import unwrap
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world
@@ -52,42 +53,6 @@ class RefLogpsTable:
 
     def __len__(self) -> int:
         return int(self.offsets.numel() - 1)
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a sharded DTensor (FSDP2) is gathered first."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
-def weights_fingerprint(model, *, skip_adapter: bool = False) -> str:
-    """sha256 of every parameter and buffer: names, shapes, dtypes and every byte of every element.
-
-    skip_adapter: leave out LoRA parameters (the reference is the base model with the adapter off).
-    """
-    h = hashlib.sha256()
-    inner = unwrap(model)
-    for name, t in [*inner.named_parameters(), *inner.named_buffers()]:
-        if skip_adapter and "lora_" in name:
-            continue
-        full = _full(t.detach()).contiguous().cpu()
-        h.update(f"{name}|{tuple(full.shape)}|{full.dtype}|".encode())
-        h.update(full.flatten().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def config_fingerprint(model) -> str:
-    cfg = base_model(model).config.to_dict()
-    for volatile in ("_attn_implementation", "_attn_implementation_internal", "transformers_version", "_name_or_path"):
-        cfg.pop(volatile, None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def data_fingerprint(examples: Sequence[Example]) -> str:
-    """sha256 of every example's prompt, responses and pairs (order matters: the table is by index)."""
-    h = hashlib.sha256()
-    for ex in examples:
-        h.update(repr((ex.prompt_ids, ex.response_ids, ex.pairs)).encode())
-    return h.hexdigest()
 
 
 def cache_key(model, examples: Sequence[Example], settings: dict, *, skip_adapter: bool = False) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from prefixdpo.errors import UserError
 
-from prefixdpo.core.verify import stock_attention, stock_implementation
+from prefixdpo.core.verify import stock_attention
 
 # Three prompts of different lengths (left padding), four completions each, from a few words to a paragraph: with
 # the default cut (the 75th percentile of completion lengths) the longest ones are truncated, the rest end at EOS.
@@ -271,60 +271,3 @@ def run_group_verify(model, tokenizer, backend: str, rows: GroupRows) -> list[Gr
     with tempfile.TemporaryDirectory(prefix="prefixdpo-verify-grpo-") as tmp:
         trainer = build_verify_trainer(model, tokenizer, backend, tmp)
         return [compare_group_pass(trainer, rows, case=name, **options) for name, options in verify_cases(rows)]
-
-
-def _load_model_and_tokenizer(args, dtype, folder: str):
-    """(model on args.device in eval mode, tokenizer, its name for the report): `--model`, or the embedded default
-    of `prefixdpo grpo` built into `folder`."""
-    from prefixdpo.core.models import load_causal_lm, load_tokenizer
-
-    name = args.model
-    if name is None:
-        from prefixdpo.grpo.demo import build_group_demo
-
-        name = str(build_group_demo(folder, num_prompts=64).model_dir)
-        label = "the embedded default of prefixdpo grpo"
-    else:
-        label = args.model
-    tokenizer = load_tokenizer(args.tokenizer or name, trust_remote_code=args.trust_remote_code)
-    model = load_causal_lm(name, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
-    return model.train(False), tokenizer, label
-
-
-def run_verify_command(args, *, backend: str, dtype: torch.dtype, logp_tol: float, grad_tol: float) -> int:
-    """`prefixdpo verify --task grpo`: print one line per case and the verdict; 0 if every case is within
-    tolerance, 1 if not, 2 if the model is one prefix sharing refuses (one line naming the feature)."""
-    import sys
-
-    from prefixdpo.core.logprobs import UnsupportedModelError
-
-    from prefixdpo.core.model_checks import check_model_supported
-
-    with tempfile.TemporaryDirectory(prefix="prefixdpo-verify-grpo-") as tmp:
-        model, tokenizer, label = _load_model_and_tokenizer(args, dtype, tmp)
-        try:
-            check_model_supported(model, backend)
-        except UnsupportedModelError as err:
-            hint = "" if args.device.startswith("cuda") else "; verify it with --device cuda --attention flex"
-            print(f"prefixdpo verify: error: {err}{hint}", file=sys.stderr)
-            return 2
-        groups = read_groups(args.text_file) if args.text_file else DEFAULT_GROUPS
-        rows = group_rows(tokenizer, groups)
-        requested = args.attention if args.attention == backend else f"{args.attention} -> {backend}"
-        print(f"prefixdpo verify --task grpo: {type(model).__name__} ({label}), {args.dtype}, attention={requested}; "
-              f"{rows.describe()}; TRL's pass: GRPOTrainer._get_per_token_logps_and_entropies with the model's "
-              f"{stock_implementation(model)} attention")
-        print(f"tolerances: per-token logp and entropy |ours - TRL's| <= {logp_tol:g} x max(1, largest |value|); "
-              f"gradient of sum(w1 logp + w2 entropy), random w, <= {grad_tol:g} x max(1, largest gradient entry)")
-        print(f"{'case':40} {'max |dlogp|':>12} {'max |dentropy|':>14} {'max |dgrad|':>12} {'tokens run':>16}  result")
-        failed = False
-        for result in run_group_verify(model, tokenizer, backend, rows):
-            ok = result.ok(logp_tol, grad_tol)
-            failed |= not ok
-            tokens = f"{result.tokens_shared}/{result.tokens_trl}"
-            print(f"{result.case:40} {result.logp_diff:12.3e} {result.entropy_diff:14.3e} {result.grad_diff:12.3e} "
-                  f"{tokens:>16}  {'ok' if ok else 'FAIL'}")
-    print("tokens run: real tokens of the prefix-shared lines / of TRL's rows (each prompt once instead of G times)")
-    print("verdict: " + ("FAIL: the prefix-shared pass does not match TRL's" if failed else
-                         "the prefix-shared pass matches TRL's"))
-    return 1 if failed else 0

@@ -28,7 +28,6 @@ per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from prefixdpo.gpu_check import CheckResult, tiny_causal_lm
-from prefixdpo.grpo.bench import (
+from prefixdpo.bench.grpo import (
     PROFILES,
     GenerationTiming,
     GroupTrainingStep,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from prefixdpo.grpo.bench import (
+from prefixdpo.bench.grpo import (
     MODES,
     PROFILES,
     GenerationTiming,
@@ -111,7 +111,7 @@ def _model_folder(args, settings: dict, dtype: torch.dtype, folder: Path) -> tup
 
 
 def run_group_bench(args, *, threads: int) -> int:
-    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo.grpo.bench`)."""
+    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo.bench.grpo`)."""
     from tqdm.auto import tqdm
 
     cuda = args.device.startswith("cuda")
