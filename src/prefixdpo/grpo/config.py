@@ -18,11 +18,9 @@ from trl import GRPOConfig, RLOOConfig
 
 from prefixdpo.option_parser import parse_options
 
-from prefixdpo.core.attention.backends import BACKENDS
 
-from prefixdpo.errors import ConfigError
 
-from prefixdpo.training.options import device_has_bf16
+from prefixdpo.training.options import check_attention_and_pack_length, device_has_bf16
 
 
 
@@ -57,15 +55,7 @@ class GroupLayoutOptions:
             self.activation_checkpointing = self.gradient_checkpointing
 
     def _check_prefix_options(self) -> None:
-        if self.attention not in BACKENDS:
-            raise ConfigError(f"attention={self.attention!r}: choose one of {', '.join(BACKENDS)}")
-        if str(self.pack_length) != "auto":
-            try:
-                self.pack_length = int(self.pack_length)
-            except ValueError:
-                raise ConfigError(f"pack_length={self.pack_length!r}: expected 'auto' or a positive integer") from None
-            if self.pack_length <= 0:
-                raise ConfigError(f"pack_length={self.pack_length}: must be positive")
+        check_attention_and_pack_length(self)
 
 
 @dataclass
