@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig, RLOOConfig
 
 from prefixdpo.option_parser import parse_options
-
-
-
 from prefixdpo.training.options import check_attention_and_pack_length, device_has_bf16
 
 
