@@ -20,7 +20,6 @@ from prefixdpo.option_parser import parse_options
 from prefixdpo.training.options import check_attention_and_pack_length, device_has_bf16
 
 
-
 @dataclass
 class GroupLayoutOptions:
     """How the per-token log-prob passes lay out TRL's rows (none of these changes a result)."""
