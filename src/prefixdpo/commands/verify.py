@@ -76,15 +76,10 @@ def attention_label(requested: str, backend: str) -> str:
 
 def _examples(tokenizer, text_file: str | None):
     from prefixdpo.data.example import Example
+    from prefixdpo.data.loading import read_tab_groups
 
     if text_file:
-        groups = []
-        with open(text_file, encoding="utf-8") as fh:
-            for n, line in enumerate(fh):
-                parts = [x for x in line.rstrip("\n").split("\t") if x]
-                if len(parts) < 3:
-                    raise UserError(f"{text_file} line {n + 1}: needs a prompt and at least 2 responses, tab-separated")
-                groups.append((parts[0], parts[1:]))
+        groups = read_tab_groups(text_file, "responses")
     else:
         groups = [
             (DEFAULT_PROMPTS[0], DEFAULT_RESPONSES[0:2]),

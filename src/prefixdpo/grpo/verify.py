@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixdpo.data.loading import read_tab_groups
 from prefixdpo.errors import UserError
 
 from prefixdpo.core.verify import stock_attention
@@ -140,16 +141,7 @@ def random_group_rows(vocab_size: int, *, eos: int, pad: int, seed: int = 0) -> 
 
 def read_groups(path: str) -> list[tuple[str, list[str]]]:
     """Groups from a file of lines 'prompt<TAB>completion<TAB>completion...' (at least 2 completions each)."""
-    groups = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh):
-            parts = [x for x in line.rstrip("\n").split("\t") if x]
-            if len(parts) < 3:
-                raise UserError(f"{path} line {n + 1}: needs a prompt and at least 2 completions, tab-separated")
-            groups.append((parts[0], parts[1:]))
-    if not groups:
-        raise UserError(f"{path}: no groups")
-    return groups
+    return read_tab_groups(path, "completions")
 
 
 @dataclass
