@@ -13,6 +13,7 @@ from conftest import tiny_model
 from prefixdpo.bench.modes import MODES, bucket_length, common_pack_length, layout_group
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import fixed_groups, synthetic_workload
+from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.dpo.losses import sigmoid_loss
@@ -127,9 +128,10 @@ def test_every_mode_matches_stock_separate_passes(workload, arch, dtype, tol, ba
             if line_per_step and mode.endswith("packed"):
                 assert batch.input_ids.shape[0] == 1
             assert torch.equal(batch.pair_better, better) and torch.equal(batch.pair_worse, worse)
+            mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
             with torch.no_grad():
-                ref = compute_response_logps(reference, batch, backend=backend).sums
-            pol = compute_response_logps(policy, batch, backend=backend).sums  # with grad, as in training
+                ref = compute_response_logps(reference, batch, mask).sums
+            pol = compute_response_logps(policy, batch, mask).sums  # with grad, as in training
             loss = sigmoid_loss(pol[better] - ref[better], pol[worse] - ref[worse], BETA)
             assert pol.dtype == ref.dtype == loss.dtype == dtype
             for name, ours, truth in (("policy logps", pol, stock["policy"]),
@@ -237,9 +239,10 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
                 assert batch.input_ids.shape[0] == len(examples)
             prepare_model(policy, "sdpa")
             prepare_model(reference, "sdpa")
+            mask = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
             with torch.no_grad():
-                pol = compute_response_logps(policy, batch, backend="sdpa").sums
-                ref = compute_response_logps(reference, batch, backend="sdpa").sums
+                pol = compute_response_logps(policy, batch, mask).sums
+                ref = compute_response_logps(reference, batch, mask).sums
             b, wr = batch.pair_better, batch.pair_worse
             loss = sigmoid_loss(pol[b] - ref[b], pol[wr] - ref[wr], BETA)
             torch.testing.assert_close(loss, stock_loss, rtol=0, atol=1e-5, msg=lambda m: f"mode {mode}: {m}")

@@ -24,9 +24,8 @@ SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, tiny_model
-    from prefixdpo import PrefixDPOConfig
-    from prefixdpo.dpo.objective import LOSSES
-    from prefixdpo import PrefixDPOTrainer
+    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
+    from prefixdpo.dpo.loss_table import LOSS_TABLE
 
     import gc
     gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time
@@ -68,7 +67,7 @@ SCRIPT = textwrap.dedent(
         with torch.no_grad():
             for p in reference.parameters():
                 p.mul_(0.9)
-        for loss in sorted(LOSSES):
+        for loss in sorted(LOSS_TABLE):
             for layout, kw in layouts.items():
                 policy = tiny_model("llama")
                 before = flat(policy)
@@ -115,12 +114,12 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 
 
 def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
-    from prefixdpo.dpo.objective import LOSSES
+    from prefixdpo.dpo.loss_table import LOSS_TABLE
 
     one = _run(tmp_path, 1, "losses")
     two = _run(tmp_path, 2, "losses")
     results = {**one, **two}
-    for loss in sorted(LOSSES):
+    for loss in sorted(LOSS_TABLE):
         base = results[f"{loss}/unpacked"]
         grad_scale = max(abs(g) for g in base["grad"])
         assert grad_scale > 1e-4, loss  # the step moved the weights: the comparison means something

@@ -5,6 +5,7 @@ of several architectures built from configs. Tolerances: per-response log-prob s
 import pytest
 import torch
 
+from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 
 from prefixdpo.core.model_checks import prepare_model
@@ -44,8 +45,9 @@ def test_sliding_window_shorter_than_sequence_is_refused():
     model = tiny_model("mistral", sliding_window=6)
     prepare_model(model, "sdpa")
     batch = build_batch(random_examples())
+    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
     with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
-        compute_response_logps(model, batch, backend="sdpa")
+        compute_response_logps(model, batch, mask)
 
 
 def test_sliding_window_longer_than_sequences_is_exact():

@@ -1,5 +1,6 @@
 """`make gpu-check` on CPU: one line and exit 0; its CPU-reachable pieces (plan, exactness checks on
-sdpa, table, reports, exit status); the modules it imports never import `datasets` or TRL."""
+sdpa, table, reports, exit status); the modules it imports never import `datasets` or TRL; the GRPO section's
+checks on CPU, and its one-line skip where TRL is missing."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefixdpo import gpu_check
 from prefixdpo.gpu_check import CheckResult
@@ -138,3 +141,71 @@ def test_trainer_imports_and_trains_where_trl_and_datasets_are_absent():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# ---- the GRPO section
+
+
+def test_grpo_plan_and_names_match_the_grpo_package():
+    from prefixdpo.bench.grpo import PROFILES
+    from prefixdpo.gpu_check_grpo import VERIFY_ARCHS
+
+    assert gpu_check.GRPO_PROFILES == tuple(PROFILES) and gpu_check.GRPO_ARCHS == VERIFY_ARCHS
+    plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"], sections=("grpo",))
+    verify = [n for s, n in plan if s == "grpo verify"]
+    bench = [n for s, n in plan if s == "grpo bench"]
+    assert len(verify) == 2 * 2 * 3 and "qwen2 bfloat16 varlen" in verify
+    assert len(bench) == 3 * 3 + 1 and "long-context flex" in bench and bench[-1] == "generation math-like"
+    assert "grpo" in gpu_check.SECTIONS  # a plain `make gpu-check` runs it
+
+
+def test_grpo_section_runs_its_checks_on_cpu():
+    """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16), a tiny bench of every
+    profile, generation's share."""
+    from prefixdpo.bench.model import SHAPES
+
+    torch.set_num_threads(1)  # conftest restores it
+    lines = []
+    results = gpu_check.grpo_section(["sdpa"], "cpu", time.monotonic() + 300, shape=SHAPES["quick"],
+                                     length_scale=0.05, rollouts=1, repeats=1, warmup=0, log=lines.append)
+    verify = [r for r in results if r.section == "grpo verify"]
+    assert [r.name for r in verify] == [f"{a} {d} sdpa" for a in gpu_check.GRPO_ARCHS for d in gpu_check.DTYPES]
+    assert all(r.status == "ok" for r in verify), [r.detail for r in verify]
+    fp32 = [r for r in verify if "float32" in r.name]
+    assert all(r.numbers["logp"] <= 1e-5 and 0 < r.numbers["grad"] <= 1e-4 for r in fp32)
+    bench = [r for r in results if r.section == "grpo bench"]
+    assert [r.name for r in bench] == [f"{p} sdpa" for p in gpu_check.GRPO_PROFILES] + ["generation math-like"]
+    assert all(r.status == "ok" for r in bench), [r.detail for r in bench]
+    assert all(r.numbers["ideal"] > 1 and r.numbers["speedups"]["shared_packed_vs_trl"] > 0 for r in bench[:-1])
+    assert 0 < bench[-1].numbers["share_trl"] < 1
+    assert len(lines) == len(results) and gpu_check.exit_status(results) == 0
+
+
+def test_grpo_section_without_trl_is_one_line_and_one_skipped_check():
+    """As on a GPU machine without TRL: the finder reports trl and datasets missing."""
+    code = (
+        "import sys, time, importlib.machinery as m\n"
+        "find = m.PathFinder.find_spec\n"
+        "def hidden(cls, name, path=None, target=None):\n"
+        "    return None if name.split('.')[0] in ('datasets', 'trl') else find(name, path, target)\n"
+        "m.PathFinder.find_spec = classmethod(hidden)\n"
+        "from prefixdpo import gpu_check\n"
+        "results = gpu_check.grpo_section(['sdpa'], 'cpu', time.monotonic() + 60)\n"
+        "assert 'trl' not in sys.modules\n"
+        "print([(r.section, r.name, r.status) for r in results], gpu_check.exit_status(results))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout.strip().splitlines()
+    assert out[0] == ("grpo: skipped: trl and datasets not installed for this python (the GRPO checks compare "
+                      "against TRL's GRPOTrainer)")
+    assert out[1:] == ["[('grpo verify', 'all', 'skipped')] 0"]
+
+
+def test_grpo_verify_fails_the_run_and_grpo_bench_does_not(tmp_path):
+    ok = [CheckResult("grpo bench", "math-like flex", "error", "boom")]
+    assert gpu_check.exit_status(ok) == 0
+    bad = ok + [CheckResult("grpo verify", "llama float32 flex", "FAIL", "rel dlogp 1e-2")]
+    assert gpu_check.exit_status(bad) == 1 and gpu_check.verdict(bad).startswith("FAIL: 1")
+    md = gpu_check.write_reports(bad, {"device": "test"}, tmp_path)[1].read_text()
+    assert md.index("## grpo verify") < md.index("## grpo bench")

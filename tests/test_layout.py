@@ -62,3 +62,55 @@ def test_bucketed_lines_take_few_lengths():
         assert batch.input_ids.shape[1] == bucket_length(ex.shared_length) >= ex.shared_length
         lengths.add(batch.input_ids.shape[1])
     assert lengths == {128}
+
+
+def _response_facts_from_the_lines(batch) -> list[tuple[int, int, int]]:
+    """(line, document, branch) of every response, read off the laid-out tensors alone: a response's first
+    target is predicted from its prompt's last token, whose (line, document) is the response's; in that document
+    the response is the one branch whose tokens are the response's target tokens."""
+    facts = []
+    for r in range(batch.num_responses):
+        targets = (batch.target_response == r).nonzero().flatten()
+        line, col = int(batch.target_line[targets[0]]), int(batch.target_col[targets[0]])
+        doc = int(batch.doc_ids[line, col])
+        assert int(batch.branch_ids[line, col]) == 0  # predicted from the prompt
+        in_doc = batch.doc_ids[line] == doc
+        branches = set(batch.branch_ids[line][in_doc].tolist()) - {0}
+        tokens = batch.target_ids[targets].tolist()
+        same = [k for k in branches if batch.input_ids[line][in_doc & (batch.branch_ids[line] == k)].tolist() == tokens]
+        assert len(same) == 1, (r, same)  # the examples' responses differ within each example (lengths)
+        facts.append((line, doc, same[0]))
+    return facts
+
+
+def test_response_facts_are_those_of_the_row_layout():
+    """`Batch.response_line/doc/branch` against a brute-force reading of the lines, in every layout: prefix-shared
+    or standard rows, padded or packed, and standard rows of one example scattered over several lines (the
+    benchmark's paired-packed mode). Responses of one token included (their only target is the prompt's)."""
+    import random
+
+    from conftest import random_examples
+    from prefixdpo.data.batch import collate_lines
+
+    examples = random_examples(shapes=((3, (1, 4)), (5, (2, 1, 3)), (2, (6, 1))), seed=3)
+    batches = {
+        f"{'shared' if sharing else 'standard'} {name}": build_batch(examples, prefix_sharing=sharing, **kw)
+        for sharing in (True, False)
+        for name, kw in (("padded", {}), ("packed", dict(packs=[[0, 2], [1]], length=32)))
+    }
+    units = [(e, row) for e, ex in enumerate(examples) for row in separate_rows(ex)]
+    random.Random(0).shuffle(units)
+    batches["standard scattered"] = collate_lines(examples, [units[:3], units[3:4], units[4:]])
+    for name, batch in batches.items():
+        recorded = list(zip(batch.response_line.tolist(), batch.response_doc.tolist(), batch.response_branch.tolist()))
+        assert recorded == _response_facts_from_the_lines(batch), name
+        assert len(set(recorded)) == batch.num_responses == 7, name
+    assert batches["shared padded"].response_branch.tolist() == [1, 2, 1, 2, 3, 1, 2]
+    assert set(batches["standard packed"].response_branch.tolist()) == {1}
+
+
+def test_response_facts_of_an_empty_batch_are_empty():
+    from prefixdpo.data.loader import empty_batch
+
+    batch = empty_batch()
+    assert batch.response_line.shape == batch.response_doc.shape == batch.response_branch.shape == (0,)

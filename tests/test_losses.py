@@ -1,4 +1,5 @@
-"""Tests for prefixdpo.dpo.losses (pure loss functions) and prefixdpo.dpo.objective (registry, step context).
+"""Tests for prefixdpo.dpo.losses (pure loss functions), prefixdpo.dpo.loss_table (the rows) and
+prefixdpo.dpo.objective (combined_loss, the step context).
 
 Two kinds of reference values:
 
@@ -12,13 +13,14 @@ Two kinds of reference values:
    TRL and our torch code, for a few losses and for what TRL 1.16 does not have (cDPO smoothing,
    BCO's running mean, the alias name).
 3. Step splits: every loss is defined on the whole optimizer step's pairs; splitting the step into
-   micro-batches (and simulated ranks) with ``step_context(...).local(indices)`` must give the
+   micro-batches (and simulated ranks) with ``build_step_context(...).local(indices)`` must give the
    one-batch value and gradients (float64, rtol 1e-6), and TRL's one-batch formula where TRL has it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -28,21 +30,9 @@ import pytest
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
+from prefixdpo.dpo.loss_table import LOSS_TABLE, LossParams, PairLogps, StepPairs, needs_step_pairs
 from prefixdpo.dpo.losses import rewards
-from prefixdpo.dpo.objective import (
-    LOSSES,
-    REFERENCE_FREE,
-    BCORunningMean,
-    LossConfigError,
-    LossParams,
-    PairLogps,
-    StepContext,
-    StepPairs,
-    combined_loss,
-    needs_step_pairs,
-    pair_rewards,
-    step_context,
-)
+from prefixdpo.dpo.objective import LossConfigError, RunningMean, StepContext, build_step_context, combined_loss
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 DPOTrainer = trl_dpo.DPOTrainer
@@ -58,6 +48,20 @@ def _caller_bug(match: str):
     with pytest.raises(ValueError, match=match) as info:
         yield
     assert not isinstance(info.value, UserError), type(info.value)
+
+
+def pair_rewards(inputs: PairLogps, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen, rejected)`` implicit rewards ``[P]``: with a reference if ``inputs`` has one, else per token."""
+    if inputs.has_reference:
+        return (rewards(inputs.policy_chosen_logps, inputs.ref_chosen_logps, beta),
+                rewards(inputs.policy_rejected_logps, inputs.ref_rejected_logps, beta))
+    return (rewards(inputs.policy_chosen_logps, None, beta, inputs.chosen_lengths),
+            rewards(inputs.policy_rejected_logps, None, beta, inputs.rejected_lengths))
+
+
+def cat_step_pairs(parts: list[StepPairs]) -> StepPairs:
+    """Micro-batches' (or ranks') pairs concatenated in step-index order, as the trainer gathers them."""
+    return StepPairs(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(StepPairs)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,13 +288,13 @@ def test_hand_values_simpo_orpo_sft():
 
 def test_bco_running_mean_by_hand():
     beta = 0.5
-    state = BCORunningMean()
+    state = RunningMean()
     x = _hand_inputs()
     rewards_seen = []
     for step in range(2):
         # each call is one whole training step: its context folds its rewards into the mean first
-        context = step_context(["bco_pair"], LossParams(beta=beta), StepPairs.of(x), num_pairs=2,
-                               chosen_tokens=None, bco_state=state, train=True)
+        context = build_step_context(["bco_pair"], LossParams(beta=beta), StepPairs.of(x), num_pairs=2,
+                                     chosen_tokens=None, running={"bco_pair": state}, train=True)
         got = combined_loss(["bco_pair"], None, x, LossParams(beta=beta), context)[0].tolist()
         rewards_seen += [beta * (r[0] - r[2]) for r in HAND] + [beta * (r[1] - r[3]) for r in HAND]
         delta = sum(rewards_seen) / len(rewards_seen)  # mean of all rewards so far, this batch included
@@ -298,7 +302,7 @@ def test_bco_running_mean_by_hand():
         for i, (pc, pr, rc, rr, _, _) in enumerate(HAND):
             want = -_logsig(beta * (pc - rc) - delta) - _logsig(-(beta * (pr - rr) - delta))
             assert got[i] == pytest.approx(want, rel=1e-12)
-    restored = BCORunningMean()
+    restored = RunningMean()
     restored.load_state_dict(state.state_dict())
     assert restored == state
 
@@ -322,7 +326,7 @@ def _all_types_inputs():
     return b, x
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSSES))
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TABLE))
 def test_gradients_finite_and_nonzero(loss_type):
     b, x = _all_types_inputs()
     loss, _ = combined_loss([loss_type], None, x, LossParams(label_smoothing=0.1))
@@ -366,8 +370,8 @@ def test_rewards():
         rewards(x.policy_chosen_logps, None, 0.1)
 
 
-def test_reference_free_set():
-    assert REFERENCE_FREE == {"simpo", "orpo"}
+def test_losses_without_a_reference():
+    assert {name for name, row in LOSS_TABLE.items() if not row.reference} == {"simpo", "orpo", "sft"}
     for name in ["simpo", "orpo", "sft"]:
         combined_loss([name], None, _hand_inputs(with_ref=False), LossParams())  # no error
 
@@ -376,9 +380,9 @@ def test_errors():
     x, no_ref = _hand_inputs(), _hand_inputs(with_ref=False)
     # Options the user gave: a ConfigError (one line, exit 2 on the command line).
     assert issubclass(LossConfigError, ConfigError)
-    with pytest.raises(ConfigError, match=r"unknown loss type 'dpo'; known: .*sigmoid.*simpo"):
+    with pytest.raises(ConfigError, match=r"unknown loss_type 'dpo'; known: .*sigmoid.*simpo"):
         combined_loss(["dpo"], None, x, LossParams())
-    with pytest.raises(ConfigError, match="loss_weights has 1 entries but loss_types has 2"):
+    with pytest.raises(ConfigError, match=r"loss_weights has 1 entries for 2 loss types \(sigmoid, sft\)"):
         combined_loss(["sigmoid", "sft"], [1.0], x, LossParams())
     with pytest.raises(ConfigError, match="only defined for"):
         combined_loss(["nca_pair"], None, x, LossParams(f_divergence_type="forward_kl"))
@@ -417,7 +421,7 @@ SPLITS = {
 }
 
 STEP_COMBOS = {
-    **{name: ([name], None) for name in sorted(LOSSES)},
+    **{name: ([name], None) for name in sorted(LOSS_TABLE)},
     "rpo (sigmoid + 0.5 sft)": (["sigmoid", "sft"], [1.0, 0.5]),
     "mpo (sigmoid, bco_pair, sft)": (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]),
     "all coupled": (["aot", "aot_unpaired", "sft", "bco_pair"], [0.5, 1.5, 0.3, 1.0]),
@@ -446,13 +450,13 @@ def _pairs(leaves, lc, lr, ids=None) -> PairLogps:
     return PairLogps(pick(pc), pick(pr), pick(rc), pick(rr), pick(lc), pick(lr))
 
 
-def _split_loss(names, weights, p, leaves, lc, lr, split, bco_state=None, train=False) -> torch.Tensor:
+def _split_loss(names, weights, p, leaves, lc, lr, split, running=None, train=False) -> torch.Tensor:
     """The trainer's computation: one context per step, then sum over ranks and micro-batches of
     sum(per-pair losses) / STEP."""
     groups = [ids for rank in split for ids in rank]
-    step_pairs = StepPairs.cat([StepPairs.of(_pairs(leaves, lc, lr, ids)) for ids in groups])
-    context = step_context(names, p, step_pairs, num_pairs=STEP, chosen_tokens=int(lc.sum()),
-                           bco_state=bco_state, train=train)
+    step_pairs = cat_step_pairs([StepPairs.of(_pairs(leaves, lc, lr, ids)) for ids in groups])
+    context = build_step_context(names, p, step_pairs, num_pairs=STEP, chosen_tokens=int(lc.sum()),
+                                 running=running, train=train)
     total, offset = 0.0, 0
     for ids in groups:
         local = context.local(torch.arange(offset, offset + len(ids)))
@@ -509,9 +513,10 @@ def test_bco_running_mean_split_equals_one_batch(split):
     beta = 0.3
     p = LossParams(beta=beta)
     leaves, lc, lr = _step_leaves(seed=12)
-    prior = BCORunningMean(mean=0.4, count=48)  # earlier training steps
-    split_state, one_state = BCORunningMean(**vars(prior)), BCORunningMean(**vars(prior))
-    got = _split_loss(["bco_pair"], None, p, leaves, lc, lr, SPLITS[split], bco_state=split_state, train=True)
+    prior = RunningMean(mean=0.4, count=48)  # earlier training steps
+    split_state, one_state = RunningMean(**vars(prior)), RunningMean(**vars(prior))
+    got = _split_loss(["bco_pair"], None, p, leaves, lc, lr, SPLITS[split], running={"bco_pair": split_state},
+                      train=True)
 
     pc, pr, rc, rr = leaves
     step_rewards = beta * torch.cat([pc - rc, pr - rr]).detach()
@@ -521,45 +526,45 @@ def test_bco_running_mean_split_equals_one_batch(split):
     # BCO with delta, written out (TRL < 1.0's formula)
     want = (-torch.nn.functional.logsigmoid(beta * (pc - rc) - delta)
             - torch.nn.functional.logsigmoid(-(beta * (pr - rr) - delta))).mean()
-    one = combined_loss(["bco_pair"], None, _pairs(leaves, lc, lr), p, step_context(
+    one = combined_loss(["bco_pair"], None, _pairs(leaves, lc, lr), p, build_step_context(
         ["bco_pair"], p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP, chosen_tokens=None,
-        bco_state=one_state, train=True))[0].mean()  # fmt: skip
+        running={"bco_pair": one_state}, train=True))[0].mean()  # fmt: skip
     for value in (got, one):
         torch.testing.assert_close(value, want, rtol=SPLIT_RTOL, atol=0)
         for g_got, g_want in zip(_grads(value, leaves), _grads(want, leaves)):
             torch.testing.assert_close(g_got, g_want, rtol=SPLIT_RTOL, atol=SPLIT_ATOL)
 
 
-def _bco_train_losses(state: BCORunningMean, seeds, eval_between: bool = False) -> list[float]:
+def _bco_train_losses(state: RunningMean, seeds, eval_between: bool = False) -> list[float]:
     p = LossParams(beta=0.3)
     out = []
     for seed in seeds:
         leaves, lc, lr = _step_leaves(seed)
         x = _pairs(leaves, lc, lr)
-        context = step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
-                               bco_state=state, train=True)
+        context = build_step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+                                     running={"bco_pair": state}, train=True)
         out.append(combined_loss(["bco_pair"], None, x, p, context)[0].mean().item())
         if eval_between:  # evaluation reads the mean, never moves it
             before = state.state_dict()
-            ev = step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
-                              bco_state=state, train=False)
-            assert state.state_dict() == before and ev.bco_delta == before["mean"]
+            ev = build_step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+                                    running={"bco_pair": state}, train=False)
+            assert state.state_dict() == before and ev.running_means["bco_pair"] == before["mean"]
     return out
 
 
 def test_bco_resumed_state_gives_the_same_losses_and_eval_does_not_move_it():
     seeds = [20, 21, 22, 23]
-    uninterrupted = _bco_train_losses(BCORunningMean(), seeds)
-    first = BCORunningMean()
+    uninterrupted = _bco_train_losses(RunningMean(), seeds)
+    first = RunningMean()
     head = _bco_train_losses(first, seeds[:2], eval_between=True)
     saved = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
-    resumed = BCORunningMean()
+    resumed = RunningMean()
     resumed.load_state_dict(saved)
     tail = _bco_train_losses(resumed, seeds[2:], eval_between=True)
     assert head + tail == uninterrupted  # bit-identical
     assert resumed.count == len(seeds) * 2 * STEP
     # the state matters: a fresh mean at step 3 gives other losses
-    assert _bco_train_losses(BCORunningMean(), seeds[2:]) != uninterrupted[2:]
+    assert _bco_train_losses(RunningMean(), seeds[2:]) != uninterrupted[2:]
 
 
 def test_quantile_partners_by_hand():
@@ -583,18 +588,20 @@ def test_step_context_errors():
     x = _pairs(leaves, lc, lr)
     p = LossParams()
     with _caller_bug("aot need step_pairs"):
-        step_context(["aot"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
+        build_step_context(["aot"], p, None, num_pairs=STEP, chosen_tokens=None, running=None, train=True)
     with _caller_bug("bco_pair need step_pairs"):
-        step_context(["bco_pair"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=BCORunningMean(), train=True)
+        build_step_context(["bco_pair"], p, None, num_pairs=STEP, chosen_tokens=None,
+                           running={"bco_pair": RunningMean()}, train=True)
     with _caller_bug("holds 8 pairs but num_pairs=16"):
-        step_context(["aot"], p, StepPairs.of(x), num_pairs=16, chosen_tokens=None, bco_state=None, train=True)
+        build_step_context(["aot"], p, StepPairs.of(x), num_pairs=16, chosen_tokens=None, running=None, train=True)
     with _caller_bug("sft need chosen_tokens"):
-        step_context(["sft"], p, None, num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
-    context = step_context(["aot"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None, bco_state=None, train=True)
+        build_step_context(["sft"], p, None, num_pairs=STEP, chosen_tokens=None, running=None, train=True)
+    context = build_step_context(["aot"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None, running=None,
+                                 train=True)
     with _caller_bug(r"context holds 8 pairs but inputs hold 3: pass context.local"):
         combined_loss(["aot"], None, _pairs(leaves, lc, lr, [0, 1, 2]), p, context)
     with pytest.raises(TypeError, match="StepContext"):
-        combined_loss(["bco_pair"], None, x, p, BCORunningMean())
+        combined_loss(["bco_pair"], None, x, p, RunningMean())
     with _caller_bug("need reference"):
         StepPairs.of(PairLogps(x.policy_chosen_logps, x.policy_rejected_logps))
     assert isinstance(context.local(torch.tensor([2, 0])), StepContext)
@@ -606,8 +613,8 @@ def test_gathered_float64_context_keeps_the_inputs_dtype():
     x = _pairs([t.detach().float() for t in leaves], lc, lr)
     p = LossParams(label_smoothing=0.1)
     names = ["aot", "aot_unpaired", "sft"]
-    context = step_context(names, p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP,
-                           chosen_tokens=float(lc.sum()), bco_state=None, train=True)
+    context = build_step_context(names, p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP,
+                                 chosen_tokens=float(lc.sum()), running=None, train=True)
     got, per_type = combined_loss(names, None, x, p, context.local(torch.arange(STEP)))
     assert got.dtype == torch.float32 and all(v.dtype == torch.float32 for v in per_type.values())
     torch.testing.assert_close(got, combined_loss(names, None, x, p)[0], rtol=1e-5, atol=1e-6)

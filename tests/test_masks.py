@@ -52,7 +52,8 @@ def test_padding_rows_give_finite_gradients():
 
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
-    out = compute_response_logps(model, packed_batch(), backend="sdpa")
+    batch = packed_batch()
+    out = compute_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids))
     out.sums.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
@@ -77,9 +78,9 @@ def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
     batch = packed_batch()
     prepare_model(model, "sdpa")
     with torch.no_grad():
-        sdpa = compute_response_logps(model, batch, backend="sdpa").sums
+        sdpa = compute_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
         try:
-            flex = compute_response_logps(model, batch, backend="flex").sums
+            flex = compute_response_logps(model, batch, block_mask(batch.doc_ids, batch.branch_ids)).sums
         except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
             if "not supported for CPU" not in str(err):
                 raise

@@ -15,11 +15,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import prefixdpo.dpo.reference as reference
+import prefixdpo.dpo.reference_cache as reference_cache
+from prefixdpo.dpo.reference import reference_response_logps
+from prefixdpo.core.attention.masks import dense_mask
 from conftest import make_examples, tiny_model
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 
 SETTINGS = {"dtype": "torch.float32"}
+
+
+def load_or_compute(model, examples, cache):
+    """`load_or_compute_table` with `model` as a separate reference (its no-grad pass computes the sums)."""
+    def sums_of(batch):
+        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+
+    return reference_cache.load_or_compute_table(model, examples, cache, settings=SETTINGS, sums_of=sums_of)
 
 
 def _read(path):
@@ -33,7 +43,8 @@ def _rewrite(path, edit, *, reseal: bool):
     tensors, meta = _read(path)
     edit(tensors, meta)
     if reseal:
-        meta["sha256"] = reference.payload_checksum(reference.RefLogpsTable(tensors["sums"], tensors["offsets"]))
+        table = reference_cache.RefLogpsTable(tensors["sums"], tensors["offsets"])
+        meta["sha256"] = reference_cache.payload_checksum(table)
     save_file(tensors, path, metadata=meta)
 
 
@@ -80,11 +91,11 @@ FAULTS = {
 @pytest.mark.parametrize("fault", list(FAULTS), ids=[f.__name__ for f in FAULTS])
 def test_a_damaged_cache_file_is_recomputed_with_one_warning_and_repaired(tmp_path, caplog, fault):
     examples, model, cache = make_examples(6), tiny_model("llama"), str(tmp_path / "cache")
-    clean, path, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
+    clean, path, hit = load_or_compute(model, examples, cache)
     assert not hit and os.listdir(cache) == [os.path.basename(path)]
     fault(path)
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference"):
-        again, _, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference_cache"):
+        again, _, hit = load_or_compute(model, examples, cache)
     assert not hit
     assert torch.equal(again.sums, clean.sums) and torch.equal(again.offsets, clean.offsets)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -92,14 +103,14 @@ def test_a_damaged_cache_file_is_recomputed_with_one_warning_and_repaired(tmp_pa
     assert path in warnings[0] and FAULTS[fault] in warnings[0], warnings[0]
     # repaired: one file, a hit, the clean table
     caplog.clear()
-    repaired, _, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
+    repaired, _, hit = load_or_compute(model, examples, cache)
     assert hit and torch.equal(repaired.sums, clean.sums) and torch.equal(repaired.offsets, clean.offsets)
     assert os.listdir(cache) == [os.path.basename(path)] and not caplog.records
 
 
 def test_a_failed_cache_write_is_a_warning_and_leaves_the_old_file(tmp_path, caplog, monkeypatch):
     examples, model, cache = make_examples(6), tiny_model("llama"), str(tmp_path / "cache")
-    clean, path, _ = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
+    clean, path, _ = load_or_compute(model, examples, cache)
     garbage(path)
     before = open(path, "rb").read()
 
@@ -107,8 +118,8 @@ def test_a_failed_cache_write_is_a_warning_and_leaves_the_old_file(tmp_path, cap
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("safetensors.torch.save_file", disk_full)
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference"):
-        table, _, hit = reference.load_or_compute_table(model, examples, cache, settings=SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.dpo.reference_cache"):
+        table, _, hit = load_or_compute(model, examples, cache)
     assert not hit and torch.equal(table.sums, clean.sums)
     assert [r.getMessage().split(" ")[:3] for r in caplog.records] == [["reference", "cache", path],
                                                                          ["could", "not", "save"]]

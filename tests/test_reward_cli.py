@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import tiny_model
 from prefixdpo.cli import main
@@ -124,7 +123,8 @@ def test_multi_response_records_give_every_pair_of_the_policy_and_their_margin(s
     from prefixdpo.core.models import load_tokenizer
     from prefixdpo import PrefixRewardConfig
     from prefixdpo.reward.config import reward_data_options
-    from prefixdpo.reward.data import pair_margins, reward_examples
+    from prefixdpo.data.loader import pair_margins
+    from prefixdpo.reward.data import reward_examples
 
     records = [{"prompt": "pick one", "completions": [" a", " b", " c"], "scores": [1, 3, 2], "margin": 0.5},
                {"prompt": "another", "completions": [" x", " y"], "scores": [0, 1], "margin": -1}]
@@ -132,4 +132,4 @@ def test_multi_response_records_give_every_pair_of_the_policy_and_their_margin(s
 
     examples = reward_examples(records, load_tokenizer(saved / "model"), options, "train", {})
     assert [sorted(ex.pairs) for ex in examples] == [[(1, 0), (1, 2)], [(1, 0)]]  # the best against each other
-    assert pair_margins(examples, torch.tensor([1, 0])).tolist() == [-1.0, 0.5, 0.5]  # batch order
+    assert pair_margins([examples[1], examples[0]]).tolist() == [-1.0, 0.5, 0.5]  # batch order

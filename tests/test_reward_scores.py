@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, random_examples
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import prepare_model
@@ -82,7 +83,8 @@ def test_empty_micro_batch_joins_the_backward_with_zero_weight():
 
     model = tiny_reward_model("llama")
     prepare_model(model, "sdpa")
-    scores = compute_response_scores(model, empty_batch(), backend="sdpa")
+    batch = empty_batch()
+    scores = compute_response_scores(model, batch, dense_mask(batch.doc_ids, batch.branch_ids))
     scores.sum().backward()
     assert scores.tolist() == [0.0]
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -104,15 +106,16 @@ def test_models_that_are_not_one_label_classifiers_are_refused():
     from conftest import tiny_model
 
     batch = build_batch(random_examples())
+    mask = dense_mask(batch.doc_ids, batch.branch_ids)  # the sdpa backend's mask
     causal = tiny_model("llama")
     prepare_model(causal, "sdpa")
     with pytest.raises(UnsupportedModelError, match="no `score` head"):
-        compute_response_scores(causal, batch, backend="sdpa")
+        compute_response_scores(causal, batch, mask)
     two = tiny_reward_model("llama", num_labels=2)
     prepare_model(two, "sdpa")
     with pytest.raises(UnsupportedModelError, match="num_labels=2"):
-        compute_response_scores(two, batch, backend="sdpa")
+        compute_response_scores(two, batch, mask)
     unpadded = tiny_reward_model("llama", pad_token_id=None)
     prepare_model(unpadded, "sdpa")
     with pytest.raises(UnsupportedModelError, match="pad_token_id"):
-        compute_response_scores(unpadded, batch, backend="sdpa")
+        compute_response_scores(unpadded, batch, mask)

@@ -4,6 +4,7 @@ sequence classification trains the score head; TRL's pad/EOS rules and refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -180,3 +181,27 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert torch.allclose(torch.tensor(two["params"]), flat(one.model), atol=1e-5)
     assert two["sharded"] == two["all"], two["engine"]  # FSDP2 sharded every parameter, the score head too
+
+
+def test_a_step_builds_one_mask_per_micro_batch_and_counts_its_tokens(tmp_path, monkeypatch):
+    """One mask per micro-batch (counted where the sdpa mask is made), and the MicroBatch Trainer hands over is
+    the loader's, with its margins; `include_num_input_tokens_seen` counts every slot of the lines run."""
+    from test_trainer import record_masks_and_micro_batches
+
+    masks, made = record_masks_and_micro_batches(monkeypatch)
+    seen = []
+
+    class Recording(PrefixRewardTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(inputs)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    examples = [dataclasses.replace(ex, meta={"margin": 0.5 * i}) for i, ex in enumerate(make_examples(4))]
+    trainer = Recording(model=tiny_reward_model("llama"), train_dataset=examples,
+                        args=config(tmp_path, "r", max_steps=1, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=2, include_num_input_tokens_seen="all"))
+    trainer.train()
+    assert len(seen) == len(masks) == 2 and all(a is b for a, b in zip(seen, made))
+    ids = [m.example_ids.tolist() for m in seen]
+    assert [m.margins.tolist() for m in seen] == [[0.5 * e for e in pair] for pair in ids]  # one pair each
+    assert trainer.state.num_input_tokens_seen == sum(m.slots for m in seen) > sum(m.real_tokens for m in seen)

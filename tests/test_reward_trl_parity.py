@@ -56,7 +56,7 @@ def run_ours(records, tokenizer, model, opts):
     class Recording(PrefixRewardTrainer):
         def _pair_step(self, model, inputs, split):
             losses, scores = super()._pair_step(model, inputs, split)
-            batch = inputs["batch"]
+            batch = inputs.batch
             gaps.append((scores[batch.pair_better] - scores[batch.pair_worse]).detach().abs().min().item())
             return losses, scores
 

@@ -21,7 +21,7 @@ from conftest import tiny_model
 from prefixdpo.dpo.tr_dpo import SyncReferenceCallback, tr_dpo_callback
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.errors import ConfigError
-from prefixdpo.dpo.reference import AdapterReference, NoReference, SeparateModelReference, choose_reference
+from prefixdpo.dpo.reference import AdapterReference, NoReference, PrecomputedReference, SeparateModelReference
 from test_trl_parity import REWARD_ATOL, compare, parity_setup, run_ours, run_trl, shared_options
 
 TR_DPO = dict(sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
@@ -115,10 +115,8 @@ def test_refused_with_peft_as_trl_does():
 
 def test_refused_with_precomputed_reference(tmp_path):
     base = tiny_model("llama")
-    reference = choose_reference(needs_reference=True, precompute=True, ref_model=None, policy=base, chunk_size=64,
-                                 backend="sdpa", cache_dir=str(tmp_path), batch_size=2, pad_token_id=0,
-                                 device="cpu")
-    assert reference.name == "precomputed"
+    reference = PrecomputedReference(SeparateModelReference(copy.deepcopy(base), chunk_size=64, backend="sdpa"),
+                                     cache_dir=str(tmp_path), batch_size=2, pad_token_id=0, device="cpu")
     one_line_error(r"^sync_ref_model=True cannot be combined with precompute_ref_log_probs=True",
                    tr_args(precompute_ref_log_probs=True), reference, base)
 
@@ -145,6 +143,19 @@ def test_bad_values_and_mismatched_reference_refused():
     tied = tiny_model("llama", tie_word_embeddings=True)  # its LM head is its embedding: one parameter fewer
     one_line_error(r"differ from the policy's \(parameter 20: reference \('lm_head.weight', \(96, 32\)\), "
                    r"policy nothing\)", tr_args(), reference, tied)
+
+
+@pytest.mark.parametrize("options", [dict(ref_model_sync_steps=0), dict(ref_model_mixup_alpha=1.5),
+                                     dict(precompute_ref_log_probs=True)])
+def test_config_and_trainer_refuse_bad_options_with_the_same_line(tmp_path, options):
+    """One check of the TR-DPO options (`check_tr_dpo_options`), run when the config is built and again by
+    the trainer (its args can be changed in between)."""
+    with pytest.raises(ConfigError) as at_config:
+        PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**TR_DPO, **options})
+    base = tiny_model("llama")
+    with pytest.raises(ConfigError) as at_trainer:
+        tr_dpo_callback(tr_args(**options), SeparateModelReference(copy.deepcopy(base)), base)
+    assert str(at_config.value) == str(at_trainer.value)
 
 
 # ---------------------------------------------------------------------------------------------

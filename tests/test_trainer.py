@@ -14,10 +14,12 @@ import copy
 import dataclasses
 import json
 import os
+import signal
 
 import pytest
 import torch
 
+from prefixdpo.core.attention.masks import dense_mask
 from conftest import make_examples, tiny_model
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
@@ -130,11 +132,11 @@ def test_reference_modes(tmp_path, monkeypatch):
     assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
 
     # precomputed: same numbers, no reference model kept, and a second run reuses the cache
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.dpo.reference_cache as reference_cache
 
     calls = []
-    real = reference.compute_table
-    monkeypatch.setattr(reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = reference_cache.compute_table
+    monkeypatch.setattr(reference_cache, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     t_pre, logs_pre = train(config(tmp_path, precompute_ref_log_probs=True), examples)
     assert t_pre.reference.name == "precomputed" and t_pre.ref_model is None
     assert calls == [1] and t_pre.reference.cache_hits == {"train": False}
@@ -193,10 +195,11 @@ def test_resume_equals_uninterrupted(tmp_path, loss):
     logs_resumed = [h for h in resumed.state.log_history if "loss" in h]
     assert [h["step"] for h in logs_resumed[-3:]] == [4, 5, 6]
     assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_atol=1e-6)
-    state, expected = resumed.step_context.state_dict(), full.step_context.state_dict()
-    assert state["bco_running_mean"] == pytest.approx(expected["bco_running_mean"], rel=1e-5)
-    if loss == "bco_pair":
-        assert expected["bco_running_mean"]["count"] > 0
+    state, expected = resumed.coupling.state_dict()["running_means"], full.coupling.state_dict()["running_means"]
+    assert state.keys() == expected.keys() == ({"bco_pair"} if loss == "bco_pair" else set())
+    for name in expected:
+        assert state[name] == pytest.approx(expected[name], rel=1e-5)
+        assert expected[name]["count"] > 0
 
 
 def test_multi_epoch_replans_with_seed(tmp_path):
@@ -249,9 +252,11 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     examples = make_examples(16)
     args = config(tmp_path, save_strategy="steps", save_steps=1)
     trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
+    sigterm = signal.getsignal(signal.SIGTERM)
     # a UserError: the command line prints this one line (naming the last good checkpoint), no traceback
     with pytest.raises(UserError, match="optimizer step 3.*checkpoint-2") as info:
         trainer.train()
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # the preemption handler is gone with the failed run
     assert isinstance(info.value, NonFiniteLossError)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
     from safetensors.torch import load_file
@@ -320,33 +325,40 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
 
 
 def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.core.fingerprints as fingerprints
+    import prefixdpo.dpo.reference_cache as reference
+    from prefixdpo.dpo.reference import reference_response_logps
 
     examples = make_examples(6)
     model = tiny_model("llama")
     settings = {"dtype": "torch.float32"}
     cache = str(tmp_path / "cache")
-    first, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
+
+    def sums_of(batch):
+        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+
+    first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
-    assert reference.load_or_compute_table(model, list(examples), cache, settings=settings)[2]  # same content
+    assert reference.load_or_compute_table(model, list(examples), cache, sums_of=sums_of,
+                                           settings=settings)[2]  # same content
     with torch.no_grad():  # one element of one weight
         p = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
         p.view(-1)[p.numel() // 2 + 3] += 1e-3
-    changed, _, hit = reference.load_or_compute_table(model, examples, cache, settings=settings)
+    changed, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit and not torch.equal(changed.sums, first.sums)
     # every element counts, also in tensors large enough that a strided sample (the old key) skipped some
     big = torch.nn.Linear(2048, 1100, bias=False)
-    before = reference.weights_fingerprint(big)
+    before = fingerprints.weights_fingerprint(big)
     with torch.no_grad():
         big.weight.view(-1)[1] += 1e-3  # odd index: a stride-2 sample never reads it
-    assert reference.weights_fingerprint(big) != before
+    assert fingerprints.weights_fingerprint(big) != before
     # two eval sets of one trainer get two tables, whatever Python objects hold them
     t, _ = train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples)
     evals = [make_examples(4, seed=1), make_examples(4, seed=2)]
     t.evaluate(evals[0]), t.evaluate(evals[1])
     tables = t.reference.tables
-    assert len(tables) == 3 and len({reference.data_fingerprint(e) for e in evals}) == 2
-    assert all(reference.data_fingerprint(e) in tables for e in evals)
+    assert len(tables) == 3 and len({fingerprints.data_fingerprint(e) for e in evals}) == 2
+    assert all(fingerprints.data_fingerprint(e) in tables for e in evals)
 
 
 def test_throughput_counts_pairs(tmp_path):
@@ -366,8 +378,9 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
     from prefixdpo.dpo.reference import SeparateModelReference
 
     calls = []
-    real = SeparateModelReference.logps
-    monkeypatch.setattr(SeparateModelReference, "logps", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = SeparateModelReference.response_logps
+    monkeypatch.setattr(SeparateModelReference, "response_logps",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     train(config(tmp_path, loss_type=["aot"], max_steps=1, per_device_train_batch_size=2,
                  gradient_accumulation_steps=2), make_examples(4))
     assert len(calls) == 2  # two micro-batches, one reference pass each (not two)
@@ -376,19 +389,71 @@ def test_prepass_of_coupled_losses_runs_the_reference_once_per_micro_batch(tmp_p
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_reference_table_runs_the_same_number_of_batches_on_every_rank(monkeypatch, rank):
     """A sharded model's forward is a collective: a rank with fewer examples must still run every batch."""
-    import prefixdpo.dpo.reference as reference
+    import prefixdpo.dpo.reference_cache as reference
 
     examples = make_examples(7)  # over 3 ranks: 3, 2, 2 examples; batch 2 -> 2 batches each
     calls = []
 
-    def fake_sums(model, batch, **kwargs):
+    def fake_sums(batch):
         calls.append(batch.num_responses)
         return torch.arange(batch.num_responses, dtype=torch.float32)
 
     monkeypatch.setattr(reference, "rank_and_world", lambda: (rank, 3))
-    monkeypatch.setattr(reference, "reference_sums", fake_sums)
     others = {i: [0.0] * ex.num_responses for i, ex in enumerate(examples)}  # what the other ranks send
     monkeypatch.setattr(reference, "gather", lambda obj: [others, others, obj])
-    table = reference.compute_table(None, examples, batch_size=2, device="cpu")
+    table = reference.compute_table(fake_sums, examples, batch_size=2, device="cpu")
     assert len(calls) == 2
     assert len(table) == len(examples)
+
+
+MASK_CASES = {  # options of a 1-step run of 2 micro-batches (batch 2, accumulation 2)
+    "sigmoid": dict(),  # policy pass + the separate reference's pass
+    "aot": dict(loss_type=["aot"]),  # the step's pre-pass (reference + no-grad policy), then the training pass
+    "aot_ld": dict(loss_type=["aot"], ld_alpha=0.5),  # the reference's tokens rerun in the training pass
+    "precomputed": dict(precompute_ref_log_probs=True),  # the table's rows come with the micro-batch
+}
+
+
+def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
+    """(every sdpa mask made, whoever asks for it; every MicroBatch the loader makes), as they happen."""
+    import prefixdpo.core.attention.backends as backends
+
+    masks, made = [], []
+    real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
+
+    def counted_mask(doc_ids, branch_ids):
+        masks.append(doc_ids.shape)
+        return real_mask(doc_ids, branch_ids)
+
+    monkeypatch.setattr(backends, "dense_mask", counted_mask)
+    monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])
+    return masks, made
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_a_training_step_builds_one_mask_per_micro_batch(tmp_path, monkeypatch, case):
+    """Every pass over a micro-batch (policy, reference, the coupled losses' pre-pass) shares one mask, counted
+    where the sdpa mask is made, whoever calls; evaluation too. And Trainer hands `compute_loss` the loader's own
+    MicroBatch objects (beside the step's derived values), untouched."""
+    from prefixdpo.data.loader import MicroBatch
+
+    masks, made = record_masks_and_micro_batches(monkeypatch)
+    seen = []
+
+    class Recording(PrefixDPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(inputs.micro)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  per_device_eval_batch_size=2, **MASK_CASES[case])
+    trainer = Recording(model=tiny_model("llama"), args=args, train_dataset=make_examples(4),
+                        eval_dataset=make_examples(4, seed=1))
+    masks.clear()  # a precomputed table's own batches are not the step's
+    trainer.train()
+    assert len(seen) == 2 and all(isinstance(m, MicroBatch) for m in seen)
+    assert all(a is b for a, b in zip(seen, made[: len(seen)]))  # the loader's objects, in order
+    assert len(masks) == 2
+    masks.clear()
+    trainer.evaluate()
+    assert len(masks) == 2  # two evaluation micro-batches

@@ -160,8 +160,9 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     prepare_model(model, "sdpa")
     for packs in (None, [[0, 1, 2], [3, 4, 5]]):
         batch = build_batch(examples, packs=packs)
+        attention = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
         with torch.no_grad():
-            ours = compute_response_logps(model, batch, backend="sdpa", router_aux=True).aux_loss
+            ours = compute_response_logps(model, batch, attention, router_aux=True).aux_loss
         assert torch.allclose(ours, trl_aux, rtol=1e-5, atol=0), (packs, ours.item(), trl_aux.item())
 
     # the router logits we record are the model's own for the same row, and counting the row's tokens
@@ -179,6 +180,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
 
 
 def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
+    from prefixdpo.core.attention.masks import dense_mask
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.core.moe import resolve_router_aux_loss_coef
@@ -192,7 +194,7 @@ def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
         resolve_router_aux_loss_coef(tiny_model("llama"), 0.1)
     prepare_model(model, "sdpa")
     batch = build_batch(make_examples(3))
-    aux = compute_response_logps(model, batch, backend="sdpa", router_aux=True).aux_loss
+    aux = compute_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids), router_aux=True).aux_loss
     gate = model.model.layers[0].mlp.gate.weight
     (grad,) = torch.autograd.grad(aux, gate)
     assert grad.abs().max() > 0

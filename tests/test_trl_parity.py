@@ -65,7 +65,7 @@ def test_sequential_packing_keeps_file_order():
     assert len(lines) < 24  # something was packed together
     # the micro-batches hold their examples in file order too
     micro = MicroBatches(examples, settings)
-    assert torch.cat([micro[m]["example_ids"] for m in range(len(micro))]).tolist() == list(range(24))
+    assert torch.cat([micro[m].example_ids for m in range(len(micro))]).tolist() == list(range(24))
 
 
 def test_pack_in_order_names_a_row_too_long():
@@ -84,7 +84,8 @@ def test_trainer_honours_train_sampling_strategy(tmp_path):
     examples = make_examples(12)
     for strategy, packing in (("sequential", False), ("sequential", True), ("random", True)):
         args = PrefixDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
-                               packing=packing, pack_length=64, train_sampling_strategy=strategy)
+                               packing=packing, pack_length=64 if packing else "auto",
+                               train_sampling_strategy=strategy)
         trainer = PrefixDPOTrainer(model=tiny_model("llama"), args=args, train_dataset=examples)
         trainer.get_train_dataloader()
         order = flat(trainer._train_micro.plan[0])
@@ -159,7 +160,7 @@ def run_ours(records, tokenizer, base, options):
 
     class Recording(PrefixDPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            exs = [self.train_dataset[e] for e in inputs["example_ids"].tolist()]
+            exs = [self.train_dataset[e] for e in inputs.micro.example_ids.tolist()]
             seen.append([list(ex.prompt_ids) + list(ex.response_ids[0]) for ex in exs])
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 

@@ -121,7 +121,7 @@ def test_carrier_dispatches_one_kernel_call_per_layer(kernel):
     prepare_model(model, "varlen")
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
     with torch.no_grad():
-        compute_response_logps(model, batch, backend="varlen")
+        compute_response_logps(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, "varlen"))
     real_tokens = int((batch.doc_ids >= 0).sum())
     assert kernel == [torch.Size([real_tokens, 4, 8])] * 3
 

@@ -65,7 +65,7 @@ class DemoSpec:
     max_position_embeddings: int = 512
 
 
-def _note(rng: random.Random) -> str:
+def filler_note(rng: random.Random) -> str:
     """Two to four filler sentences: the part of the prompt prefix sharing computes once."""
     sentences = []
     for _ in range(rng.randint(2, 4)):
@@ -82,7 +82,7 @@ def _case_record(rng: random.Random) -> dict:
     upper = rng.random() < 0.5
     phrase = rng.choice(UPPER_PHRASES if upper else LOWER_PHRASES)
     prompt = (
-        f"Note: {_note(rng)}\n"
+        f"Note: {filler_note(rng)}\n"
         f"Task: repeat the words {' '.join(words)} in {phrase}.\n"
         "Answer:"
     )
@@ -98,7 +98,7 @@ def _order_record(rng: random.Random) -> dict:
     increasing = rng.random() < 0.5
     phrase = rng.choice(INCREASING_PHRASES if increasing else DECREASING_PHRASES)
     prompt = (
-        f"Note: {_note(rng)}\n"
+        f"Note: {filler_note(rng)}\n"
         f"Task: write the numbers {' '.join(map(str, digits))} in {phrase} order.\n"
         "Answer:"
     )

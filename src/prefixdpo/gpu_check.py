@@ -1,8 +1,8 @@
 """`make gpu-check`: the GPU route proved in one command, on one CUDA device, in under 8 minutes.
 
-    PYTHONPATH=src python3 -m prefixdpo.gpu_check [--out DIR] [--budget-s S] [--sections verify,train,bench]
+    PYTHONPATH=src python3 -m prefixdpo.gpu_check [--out DIR] [--budget-s S] [--sections verify,train,bench,grpo]
 
-Three sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
+Four sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
 ($OUT when set, else gpu-check-results):
 
 - verify: tiny Llama, Qwen2, Qwen3, Mistral and Gemma-2 (soft-capping: flex only) in fp32 and bf16, for
@@ -18,10 +18,16 @@ Three sections, each a list of checks; a table on stdout, and gpu-check.json + g
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
   Bench runs stop at the time budget (the rest are listed as skipped); they never fail the run.
+- grpo (`prefixdpo.gpu_check_grpo`, only where TRL and `datasets` are installed; else one line and one skipped
+  check): `verify --task grpo` on tiny Llama and Qwen2, fp32 and bf16, per backend, against TRL's own GRPO pass
+  ("grpo verify", fails the run like verify); `bench --task grpo`'s CUDA mode on the bench model until the end of
+  the budget, and generation's share of a step ("grpo bench", never fails the run). The GRPO bench gets the last
+  `--grpo-budget-s` seconds of the budget.
 
-Exit status: 1 if a verify or train check fails or raises, else 0. Without CUDA: one line, exit 0.
-Imports only torch, transformers and prefixdpo's own modules (no `datasets`, no TRL): the GPU machine may have
-neither; the QLoRA step imports TRL, peft and bitsandbytes only where all three are installed.
+Exit status: 1 if a verify, train or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
+Imports only torch, transformers and prefixdpo's own modules at module level (no `datasets`, no TRL: the GPU
+machine may have neither; the grpo section imports TRL only after finding it; the QLoRA step imports TRL, peft
+and bitsandbytes only where all three are installed).
 """
 
 from __future__ import annotations
@@ -52,7 +58,11 @@ __all__ = [
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
 DTYPES = ("float32", "bfloat16")
-SECTIONS = ("verify", "train", "bench")
+SECTIONS = ("verify", "train", "bench", "grpo")  # what --sections chooses from
+TABLES = ("verify", "train", "bench", "grpo verify", "grpo bench")  # the results' sections, in report order
+# prefixdpo.grpo.verify / .bench names, spelled out here: importing prefixdpo.grpo imports TRL (tested equal)
+GRPO_ARCHS = ("llama", "qwen2")
+GRPO_PROFILES = ("math-like", "long-context", "math-like-g16")
 # Llama-shaped and compute-bound on one H200 in bf16 (~0.45 G body weights per token, GQA 4:1,
 # head_dim 128 as Llama-3), small enough that the seven profiles x four modes fit the time budget.
 BENCH_SHAPE = ModelShape(hidden=2048, intermediate=7168, layers=8, heads=16, kv_heads=4, head_dim=128, vocab=32000)
@@ -99,6 +109,10 @@ def planned_checks(backends: list[str] | None = None, sections=SECTIONS) -> list
         plan += [("train", f"llama float32 {b}") for b in backends] + [("train", QLORA_CHECK)]
     if "bench" in sections:
         plan += [("bench", f"{p} {b}") for p in bench_profiles() for b in backends]
+    if "grpo" in sections:
+        plan += [("grpo verify", f"{arch} {dtype} {b}") for arch in GRPO_ARCHS for dtype in DTYPES for b in backends]
+        plan += [("grpo bench", f"{p} {b}") for p in GRPO_PROFILES for b in backends]
+        plan += [("grpo bench", f"generation {GRPO_PROFILES[0]}")]
     return plan
 
 
@@ -115,7 +129,7 @@ def format_table(results: list[CheckResult]) -> str:
 def markdown_report(results: list[CheckResult], meta: dict) -> str:
     """Markdown: the run's facts, then one table per section, then the verdict."""
     lines = ["# prefixdpo gpu-check", ""] + [f"- {k}: {v}" for k, v in meta.items()]
-    for section in SECTIONS:
+    for section in TABLES:
         rows = [r for r in results if r.section == section]
         if not rows:
             continue
@@ -125,14 +139,19 @@ def markdown_report(results: list[CheckResult], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _is_exactness(section: str) -> bool:
+    """verify, train, grpo verify: checks that fail the run; the benches only measure."""
+    return not section.endswith("bench")
+
+
 def verdict(results: list[CheckResult]) -> str:
-    bad = [r for r in results if r.section != "bench" and r.status in FAILING]
+    bad = [r for r in results if _is_exactness(r.section) and r.status in FAILING]
     return f"FAIL: {len(bad)} exactness check(s) failed" if bad else "all exactness checks passed"
 
 
 def exit_status(results: list[CheckResult]) -> int:
-    """1 if an exactness check (verify, train) failed or raised; bench results never fail the run."""
-    return int(any(r.section != "bench" and r.status in FAILING for r in results))
+    """1 if an exactness check (verify, train, grpo verify) failed or raised; bench results never fail the run."""
+    return int(any(_is_exactness(r.section) and r.status in FAILING for r in results))
 
 
 def write_reports(results: list[CheckResult], meta: dict, out: str | os.PathLike) -> list[Path]:
@@ -178,7 +197,7 @@ def verify_examples():
 
 def verify_check(arch: str, dtype_name: str, backend: str, device: str) -> CheckResult:
     """`prefixdpo verify`'s four cases on a tiny `arch`; n/a where the backend refuses the model."""
-    from prefixdpo.commands.verify import DTYPE_TOLERANCES
+    from prefixdpo.core.verify import DTYPE_TOLERANCES
     from prefixdpo.core.model_checks import check_model_supported
     from prefixdpo.core.logprobs import UnsupportedModelError
     from prefixdpo.core.verify import compare
@@ -373,6 +392,42 @@ def bench_section(backends: list[str], device: str, deadline: float, *, examples
     return results
 
 
+def grpo_missing() -> list[str]:
+    """The packages the GRPO section needs that this python lacks (TRL, and the `datasets` it is built on)."""
+    return [name for name in ("trl", "datasets") if importlib.util.find_spec(name) is None]
+
+
+def grpo_section(backends: list[str], device: str, deadline: float, *, bench: bool = True,
+                 shape: ModelShape | None = None, length_scale: float = 1.0, rollouts: int = 2, repeats: int = 2,
+                 warmup: int = 1, log=print) -> list[CheckResult]:
+    """The GRPO checks (see the module doc): skipped with one line where TRL is missing; `bench=False` runs the
+    exactness checks only. shape / length_scale / rollouts / repeats / warmup: the GRPO bench's workload."""
+    missing = grpo_missing()
+    if missing:
+        line = (f"grpo: skipped: {' and '.join(missing)} not installed for this python (the GRPO checks compare "
+                "against TRL's GRPOTrainer)")
+        log(line)
+        return [CheckResult("grpo verify", "all", "skipped", line.split(": ", 2)[2])]
+    from prefixdpo.core.verify import DTYPE_TOLERANCES
+    from prefixdpo import gpu_check_grpo as grpo
+
+    results = []
+    for arch in GRPO_ARCHS:
+        for dtype in DTYPES:
+            for b in backends:
+                results.append(_guarded("grpo verify", f"{arch} {dtype} {b}", grpo.verify_check, arch, dtype, b, device,
+                                        DTYPE_TOLERANCES[dtype]))
+                log(f"  grpo verify {results[-1].name}: {results[-1].status} {results[-1].detail}")
+    if bench:
+        try:
+            results += grpo.bench_section(backends, device, deadline, shape=shape or BENCH_SHAPE,
+                                          length_scale=length_scale, rollouts=rollouts, repeats=repeats,
+                                          warmup=warmup, log=log)
+        except Exception as err:  # noqa: BLE001  (model or trainer build failed: keep the exactness results)
+            results.append(CheckResult("grpo bench", "setup", "error", f"{type(err).__name__}: {err}"[:300]))
+    return results
+
+
 def _guarded(section: str, name: str, fn, *args) -> CheckResult:
     try:
         return fn(*args)
@@ -390,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-examples", type=int, default=16, help="examples per bench profile (default 16)")
     p.add_argument("--bench-per-step", type=int, default=8, help="examples per optimizer step (default 8)")
     p.add_argument("--bench-repeats", type=int, default=2, help="counted passes (default 2)")
+    p.add_argument("--grpo-budget-s", type=float, default=120.0,
+                   help="the last seconds of --budget-s kept for the GRPO bench (default 120)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
@@ -435,12 +492,17 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
         results.append(_guarded("train", QLORA_CHECK, qlora_check, device))
         log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
+    grpo_budget = args.grpo_budget_s if "grpo" in sections else 0.0
     if "bench" in sections:
         try:
-            results += bench_section(backends, device, start + args.budget_s, examples=args.bench_examples,
-                                     per_step=args.bench_per_step, repeats=args.bench_repeats, warmup=1, log=log)
+            results += bench_section(backends, device, start + args.budget_s - grpo_budget,
+                                     examples=args.bench_examples, per_step=args.bench_per_step,
+                                     repeats=args.bench_repeats, warmup=1, log=log)
         except Exception as err:  # noqa: BLE001  (model build failed: report it, keep the exactness results)
             results.append(CheckResult("bench", "setup", "error", f"{type(err).__name__}: {err}"[:300]))
+    if "grpo" in sections:
+        results += grpo_section(backends, device, start + args.budget_s, rollouts=2, repeats=args.bench_repeats,
+                                warmup=1, log=log)
     meta["wall"] = f"{time.monotonic() - start:.0f} s"
     print()
     print(format_table(results))

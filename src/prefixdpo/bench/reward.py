@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
 from prefixdpo.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
@@ -73,7 +74,7 @@ class RewardStep:
 
     def __init__(self, model, *, backend: str, lr: float = 1e-6):
         self.model = model
-        self.backend = backend
+        self.backend = resolve_backend(backend, next(model.parameters()).device, needs_grad=True)
         params = [p for p in model.parameters() if p.requires_grad]
         try:  # fused: one kernel per step (a fixed cost would dilute the layout differences measured)
             self.optimizer = torch.optim.AdamW(params, lr=lr, fused=True)
@@ -81,7 +82,8 @@ class RewardStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        scores = compute_response_scores(self.model, batch, backend=self.backend)
+        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, self.backend)  # built in the step: timed
+        scores = compute_response_scores(self.model, batch, mask)
         loss = pair_reward_losses(scores, batch.pair_better, batch.pair_worse).mean()
         loss.backward()
         self.optimizer.step()

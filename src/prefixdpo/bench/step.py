@@ -11,37 +11,41 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.dpo.objective import LossParams
-from prefixdpo.dpo.reference import SeparateModelReference
+from prefixdpo.dpo.reference import Reference, SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 
 __all__ = ["dpo_losses", "DPOStep"]
 
 
-def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with a
-    separate reference model; grad flows into `policy` if enabled."""
+def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0.1,
+               chunk_size: int = 1024) -> torch.Tensor:
+    """Per-pair sigmoid DPO losses [P] (fp32) for `batch`: the trainer's own `step.pair_losses`, with
+    `reference` (a prepared frozen model, or a `Reference` a step reuses) as a separate reference model; grad
+    flows into `policy` if enabled. The batch's one mask, for both passes, is built here."""
     backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
-    ref = reference if isinstance(reference, SeparateModelReference) else SeparateModelReference(
+    ref = reference if isinstance(reference, Reference) else SeparateModelReference(
         reference, chunk_size=chunk_size, backend=backend)
-    return pair_losses(policy, batch, reference=ref, objective=Objective(params=LossParams(beta=beta)),
-                       backend=backend, chunk_size=chunk_size).losses
+    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+    return pair_losses(policy, batch, mask, reference=ref, objective=Objective(params=LossParams(beta=beta)),
+                       chunk_size=chunk_size).losses
 
 
 class DPOStep:
     """One optimizer step per call: `step(batch) -> loss` (mean over the batch's pairs).
 
     policy and reference: prepared models (`prefixdpo.core.model_checks.prepare_model`) on the batch's device.
-    backend: "sdpa" (CPU) or "flex" (CUDA); the mask is built inside the step (its cost is timed).
+    backend: "sdpa"/"segmented" (CPU) or "flex" (CUDA), resolved once here; the mask is built inside the step
+    (its cost is timed).
     """
 
     def __init__(self, policy, reference, *, backend: str, lr: float = 1e-6, beta: float = 0.1,
                  chunk_size: int = 1024):
         self.policy = policy
-        self.reference = SeparateModelReference(reference, chunk_size=chunk_size, backend=backend)
-        self.backend = backend
+        self.backend = resolve_backend(backend, next(policy.parameters()).device, needs_grad=True)
+        self.reference = SeparateModelReference(reference, chunk_size=chunk_size, backend=self.backend)
         self.beta = beta
         self.chunk_size = chunk_size
         params = [p for p in policy.parameters() if p.requires_grad]

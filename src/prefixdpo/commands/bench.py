@@ -41,11 +41,14 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("--quick", action="store_true", help="small, fast run (about a minute on 2 CPU cores)")
-    p.add_argument("--task", default="dpo", choices=["dpo", "reward"],
+    p.add_argument("--task", default="dpo", choices=["dpo", "reward", "grpo"],
                    help="dpo: a DPO step (policy + reference); reward: a reward-model step (Bradley-Terry, as TRL's "
-                        "RewardTrainer: one scoring pass, no reference, no LM head), with its own ideal")
+                        "RewardTrainer: one scoring pass, no reference, no LM head), with its own ideal; grpo: the "
+                        "training part of a GRPO step (TRL's GRPOTrainer) in TRL's layout vs prefix-shared, on "
+                        "synthetic rollouts of three profiles, and generation's share of a whole step")
     p.add_argument("--profiles", default=None,
-                   help="comma-separated synthetic profiles (default: all six of the paper)")
+                   help="comma-separated synthetic profiles (default: all six of the paper and the multi-response "
+                        "one; --task grpo: math-like, long-context, math-like-g16)")
     p.add_argument("--dataset", default=None, help="a real preference dataset instead of synthetic profiles")
     p.add_argument("--tokenizer", default=None, help="tokenizer for --dataset (default: --model's)")
     p.add_argument("--split", default="train", help="dataset split (default train)")
@@ -72,6 +75,11 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--trust-remote-code", action="store_true")
+    # --task grpo only (prefixdpo.bench.grpo_report)
+    p.add_argument("--rollouts", type=int, default=None, help="grpo: rollouts (optimizer steps) per profile")
+    p.add_argument("--beta", type=float, default=0.04, help="grpo: KL coefficient; > 0 adds the reference pass")
+    p.add_argument("--num-iterations", type=int, default=1,
+                   help="grpo: policy updates per rollout; > 1 adds the old-policy pass")
     p.set_defaults(func=run)
 
 
@@ -126,6 +134,10 @@ def _length_scale(value, profile) -> float:
 
 
 def run(args) -> int:
+    if args.task == "grpo":
+        from prefixdpo.bench.grpo_report import run_group_bench
+
+        return run_group_bench(args, threads=args.threads or _idle_cores())
     import torch
     from tqdm.auto import tqdm
 

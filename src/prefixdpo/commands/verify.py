@@ -23,11 +23,11 @@ DEFAULT_RESPONSES = [
     " Nothing happened that day or the next.",
 ]
 
-DTYPE_TOLERANCES = {  # (logp relative tolerance, gradient tolerance relative to the largest gradient entry)
-    "float32": (1e-5, 1e-4),
-    "bfloat16": (5e-2, 5e-2),
-    "float16": (1e-2, 1e-2),
-}
+# prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch (tested equal)
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
+
+
+DTYPES = ("bfloat16", "float16", "float32")  # core.verify.DTYPE_TOLERANCES' keys; importing it here would load torch
 
 
 def register(subparsers) -> None:
@@ -38,40 +38,48 @@ def register(subparsers) -> None:
             "Builds prefix-shared and packed rows (K=2 and K=4), and standard sequences packed without sharing, "
             "from built-in or given text, and compares "
             "per-response log-probs and the gradient of a DPO loss against separate standard forward passes "
-            "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss). "
-            "Exits non-zero if a difference is above tolerance."
+            "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss; --task grpo: the per-token "
+            "log-probs, entropies and their gradients of a GRPO group batch against TRL's own pass). "
+            "Exits 1 if a difference is above tolerance, 2 on bad input (or a backend this device cannot run)."
         ),
     )
-    p.add_argument("--model", required=True, help="model directory or hub name (AutoModelForCausalLM; with --task "
-                                                  "reward: AutoModelForSequenceClassification, num_labels=1)")
-    p.add_argument("--task", default="dpo", choices=["dpo", "reward"],
+    p.add_argument("--model", default=None, help="model directory or hub name (AutoModelForCausalLM; with --task "
+                                                 "reward: AutoModelForSequenceClassification, num_labels=1); "
+                                                 "required, except with --task grpo (default: the embedded default of "
+                                                 "`prefixdpo grpo`)")
+    p.add_argument("--task", default="dpo", choices=["dpo", "reward", "grpo"],
                    help="dpo: per-response log-probs and a DPO loss's gradients; reward: reward-model scores "
-                        "(the last token of each response) and a Bradley-Terry loss's gradients")
+                        "(the last token of each response) and a Bradley-Terry loss's gradients; grpo: per-token "
+                        "log-probs and entropies of G completions per prompt (left-padded prompts, completions "
+                        "ending at EOS or cut at max length) and their gradients, against TRL's GRPOTrainer pass")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_TOLERANCES), help="compute dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"], help="backend to check (default sdpa)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="backend to check: auto (flex on CUDA, sdpa elsewhere), sdpa, flex (CUDA), segmented, "
+                        "varlen (CUDA + FlashAttention varlen); one that cannot run on --device is refused")
     p.add_argument("--logp-tol", type=float, default=None, help="relative tolerance on per-response log-prob sums")
     p.add_argument("--grad-tol", type=float, default=None, help="tolerance on gradients, relative to the largest entry")
     p.add_argument("--text-file", default=None,
-                   help="file of lines 'prompt<TAB>response<TAB>response...' to use instead of the built-in text")
+                   help="file of lines 'prompt<TAB>response<TAB>response...' to use instead of the built-in text "
+                        "(--task grpo: the completions of each prompt)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
     p.add_argument("--no-restart-positions", action="store_true",
                    help=argparse.SUPPRESS)  # self-test: a deliberately broken layout must fail the check
     p.set_defaults(func=run)
 
 
+def attention_label(requested: str, backend: str) -> str:
+    """`sdpa`, or `auto -> sdpa` where the backend was resolved from `auto`."""
+    return backend if requested == backend else f"{requested} -> {backend}"
+
+
 def _examples(tokenizer, text_file: str | None):
     from prefixdpo.data.example import Example
+    from prefixdpo.data.loading import read_tab_groups
 
     if text_file:
-        groups = []
-        with open(text_file, encoding="utf-8") as fh:
-            for n, line in enumerate(fh):
-                parts = [x for x in line.rstrip("\n").split("\t") if x]
-                if len(parts) < 3:
-                    raise UserError(f"{text_file} line {n + 1}: needs a prompt and at least 2 responses, tab-separated")
-                groups.append((parts[0], parts[1:]))
+        groups = read_tab_groups(text_file, "responses")
     else:
         groups = [
             (DEFAULT_PROMPTS[0], DEFAULT_RESPONSES[0:2]),
@@ -90,18 +98,52 @@ def _examples(tokenizer, text_file: str | None):
     return examples
 
 
+def resolve_attention(attention: str, device: str) -> str:
+    """The backend `--attention` names on `--device`, or a one-line `UserError` where it cannot run there: every
+    comparison needs a backward, which FlexAttention lacks on CPU (and torch's CPU compile of it fails on some
+    shapes), and varlen needs CUDA with FlashAttention varlen."""
+    import torch
+
+    from prefixdpo.core.attention.backends import resolve_backend
+
+    where = torch.device(device)
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available")
+    if attention == "flex" and where.type != "cuda":
+        raise UserError(f"--attention flex cannot run on {where.type}: FlexAttention has no backward there, and "
+                        "gradients are part of the check; use --device cuda, or --attention sdpa / segmented")
+    try:
+        return resolve_backend(attention, where, needs_grad=True)
+    except ValueError as err:  # varlen's ConfigError names the device or the missing kernel
+        raise UserError(f"--attention {attention}: {err}") from None
+
+
 def run(args) -> int:
     import torch
-    from prefixdpo.core.fit import check_positions
-    from prefixdpo.core.model_checks import check_model_supported, text_config
-    from prefixdpo.core.logprobs import UnsupportedModelError
-    from prefixdpo.core.verify import compare, stock_implementation
 
+    backend = resolve_attention(args.attention, args.device)  # refused before any model is loaded
     dtype = getattr(torch, args.dtype)
+    from prefixdpo.core.verify import DTYPE_TOLERANCES
+
     logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
     logp_tol = args.logp_tol if args.logp_tol is not None else logp_tol
     grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
+    if args.task == "grpo":
+        try:
+            from prefixdpo.commands.verify_grpo import run_verify_command
+        except ModuleNotFoundError as err:
+            if err.name != "trl":
+                raise
+            raise UserError("--task grpo compares against TRL's GRPOTrainer: install trl (1.16)") from None
+        return run_verify_command(args, backend=backend, dtype=dtype, logp_tol=logp_tol, grad_tol=grad_tol)
+    if args.model is None:
+        raise UserError(f"--task {args.task} needs --model (only --task grpo has an embedded default)")
+
+    from prefixdpo.core.fit import check_positions
+    from prefixdpo.core.logprobs import UnsupportedModelError
+    from prefixdpo.core.model_checks import check_model_supported
     from prefixdpo.core.models import load_causal_lm, load_tokenizer
+    from prefixdpo.core.verify import compare, stock_implementation
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     quantity, compare_fn = "logp", compare
@@ -119,7 +161,7 @@ def run(args) -> int:
     examples = _examples(tokenizer, args.text_file)
     check_positions(model, examples, args.text_file or "built-in")  # a line over the model's positions: one line
     n = len(examples)
-    pad_multiple = 128 if args.attention == "flex" else 1
+    pad_multiple = 128 if backend == "flex" else 1
     cases = [  # (name, packs, prefix_sharing)
         ("unpacked (one row per example)", None, True),
         ("packed (all examples in one row)", [list(range(n))], True),
@@ -127,30 +169,23 @@ def run(args) -> int:
         ("standard sequences packed, no sharing", [list(range(n))], False),
     ]
     arch = type(model).__name__
-    forward_only = args.attention == "flex" and torch.device(args.device).type == "cpu"
-    cfg = text_config(model)
     try:
-        check_model_supported(model, args.attention)
-        if forward_only and getattr(cfg, "attn_logit_softcapping", None) is not None:
-            # measured (torch 2.13): inductor's CPU flex template fails to compile a soft-capping score_mod
-            raise UnsupportedModelError(
-                f"{arch} uses attention logit soft-capping, which FlexAttention reproduces only on CUDA")
+        check_model_supported(model, backend)
     except UnsupportedModelError as err:  # one line naming the feature
         hint = "" if args.device.startswith("cuda") else "; verify it with --device cuda --attention flex"
         print(f"prefixdpo verify: error: {err}{hint}", file=sys.stderr)
         return 2
-    print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={args.attention}, "
+    label = attention_label(args.attention, backend)
+    print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={label}, "
           f"{n} examples, K = {sorted({e.num_responses for e in examples})}; "
           f"stock passes: {stock_implementation(model)} attention")
     print(f"tolerances: {quantity} |ours - separate| <= {logp_tol:g} x max(1, largest |{quantity}|); "
           f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
-    if forward_only:
-        print("gradients not compared: FlexAttention has no backward on CPU (log-probs only)")
     print(f"{'case':38} {f'max |d{quantity}|':>12} {'max |dgrad|':>12}  result")
     failed = False
     for name, packs, sharing in cases:
         result = compare_fn(
-            model, examples, packs=packs, backend=args.attention, case=name, pad_multiple=pad_multiple,
+            model, examples, packs=packs, backend=backend, case=name, pad_multiple=pad_multiple,
             restart_positions=not args.no_restart_positions, prefix_sharing=sharing,
         )
         ok = result.ok(logp_tol, grad_tol)

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
@@ -87,21 +86,17 @@ def _batch_inputs(batch: Batch, attention_mask) -> dict:
 
 
 def compute_response_logps(
-    model, batch: Batch, *, backend: str = "auto", chunk_size: int = 1024, attention_mask=None,
-    wpo: bool = False, router_aux: bool = False,
+    model, batch: Batch, attention_mask, *, chunk_size: int = 1024, wpo: bool = False, router_aux: bool = False,
 ) -> ResponseLogps:
     """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
 
-    attention_mask: a prebuilt mask for this batch (shared by policy and reference passes), else built here.
+    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once per
+                    micro-batch by the caller and shared by every pass over it (policy, reference, pre-pass).
     wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
     router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
     """
-    device = batch.input_ids.device
-    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
     hf = unwrap(model)
     check_sequences_fit_window(model, batch)
-    if attention_mask is None:
-        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
@@ -124,7 +119,7 @@ def compute_response_logps(
     return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
 
 
-def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
+def zero_weight_loss(model, batch: Batch, attention_mask) -> torch.Tensor:
     """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
     gradient sync and FSDP's collectives line up on every rank."""
     def body(inner_forward, **inputs) -> dict:
@@ -134,5 +129,4 @@ def zero_weight_loss(model, batch: Batch, backend: str) -> torch.Tensor:
         last = model_last_logits if model_last_logits is not None else lm_head_fn(unwrap(model))(hidden[:, -1])
         return {"loss": last.sum() * 0.0}
 
-    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-    return through_engine(model, body, **_batch_inputs(batch, mask))["loss"]
+    return through_engine(model, body, **_batch_inputs(batch, attention_mask))["loss"]

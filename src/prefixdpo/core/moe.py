@@ -66,24 +66,17 @@ def trl_token_multiplicity(batch: Batch) -> torch.Tensor:
     of its example, a response token once per pair it is in. With these weights, the load-balancing loss
     of a prefix-shared row equals TRL's on its padded rows: a prompt's router logits are the same in
     both of TRL's rows (causal), and each response's are those of its separate sequence (the mask rule).
-    Every response has at least one token (the layout refuses empty responses).
+    Each response's line, document and branch are the batch's own record of them (`Batch.response_line` ...).
     """
-    B, L = batch.input_ids.shape
-    R, device = batch.num_responses, batch.input_ids.device
+    B, device = batch.input_ids.shape[0], batch.input_ids.device
     docs = int(batch.doc_ids.max()) + 1 if batch.doc_ids.numel() else 1
-    T = batch.target_response.numel()
-    first = torch.full((R,), T, dtype=torch.long, device=device).scatter_reduce(
-        0, batch.target_response, torch.arange(T, device=device), reduce="amin")  # first target of each response
-    line = batch.target_line[first]
-    example = line * docs + batch.doc_ids[line, batch.target_col[first]]  # [R]: (line, document) of each response
-    first_response = torch.full((B * docs,), R, dtype=torch.long, device=device).scatter_reduce(
-        0, example, torch.arange(R, device=device), reduce="amin")
-    branch = torch.arange(R, device=device) - first_response[example] + 1  # responses are numbered in order
+    example = batch.response_line * docs + batch.response_doc  # [R]: (line, document) of each response as one number
+    R = batch.num_responses
     in_pairs = torch.bincount(torch.cat([batch.pair_better, batch.pair_worse]), minlength=R).float()
     pairs_of_example = torch.bincount(example[batch.pair_better], minlength=B * docs).float()
     table = torch.zeros(B * docs, int(batch.branch_ids.max()) + 1, device=device)
     table[:, 0] = 2 * pairs_of_example
-    table[example, branch] = in_pairs
+    table[example, batch.response_branch] = in_pairs
     real = batch.doc_ids >= 0
     rows = torch.arange(B, device=device)[:, None] * docs + batch.doc_ids.clamp(min=0)
     return torch.where(real, table[rows, batch.branch_ids.clamp(min=0)], 0.0)

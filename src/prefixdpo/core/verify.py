@@ -12,11 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import base_model, prepare_model, text_config
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
+
+
+DTYPE_TOLERANCES = {  # (logp relative tolerance, gradient tolerance relative to the largest gradient entry)
+    "float32": (1e-5, 1e-4),
+    "bfloat16": (5e-2, 5e-2),
+    "float16": (1e-2, 1e-2),
+}
 
 
 def stock_implementation(model) -> str:
@@ -112,12 +120,14 @@ def compare(
         batch.position_ids = torch.arange(L).expand_as(batch.input_ids).clone()
     batch = batch.to(device)
     with_grad = not (backend == "flex" and device.type == "cpu")
+    backend = resolve_backend(backend, device, needs_grad=with_grad)
 
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(with_grad):
         reference = separate_pass_logps(model, examples)
         prepare_model(model, backend)
-        ours = compute_response_logps(model, batch, backend=backend).sums
+        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        ours = compute_response_logps(model, batch, mask).sums
     result = VerifyResult(
         case=case,
         logp_diff=(ours.detach() - reference.detach()).abs().max().item(),

@@ -29,6 +29,9 @@ class Batch:
     target_ids:     [T] long, the response tokens
     target_response:[T] long, global response index 0..R-1 of each target
     response_lengths: [R] long, tokens per response
+    response_line, response_doc, response_branch: [R] long, where each response's tokens are: the line, the
+                    document within it, and the branch (1..K in a prefix-shared row, 1 in a standard row).
+                    Recorded here, from the layout, for every reader (MoE token weights, reward score positions).
     pair_better, pair_worse: [P] long, global response indices (better preferred to worse)
     max_sequence_length: longest standard `[prompt][response]` sequence in the batch (sliding-window checks)
     """
@@ -42,6 +45,9 @@ class Batch:
     target_ids: torch.Tensor
     target_response: torch.Tensor
     response_lengths: torch.Tensor
+    response_line: torch.Tensor
+    response_doc: torch.Tensor
+    response_branch: torch.Tensor
     pair_better: torch.Tensor
     pair_worse: torch.Tensor
     max_sequence_length: int = 0
@@ -63,12 +69,15 @@ class Batch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device | str) -> "Batch":
-        moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return replace(self, **moved)
+        return self._with_tensors(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "Batch":
+        """A copy in page-locked memory (`DataLoader(pin_memory=True)` calls this): `to(cuda)` is then asynchronous."""
+        return self._with_tensors(lambda t: t.pin_memory())
+
+    def _with_tensors(self, fn) -> "Batch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -85,6 +94,12 @@ def bucket_length(n: int, base: int = 128) -> int:
     while size < blocks:  # 1, 2, 3, 4, 6, 8, 12, 16, ... : powers of two and 1.5 x powers of two
         size = size * 3 // 2 if size >= 2 and size & (size - 1) == 0 else (size * 4 // 3 if size >= 3 else size + 1)
     return size * base
+
+
+def _responses_in_order(row: Row) -> list[int]:
+    """The example's response indices of `row`, in the order they follow the prompt: the layout gives them
+    branches 1, 2, ... in that order (`layout._row`)."""
+    return list(dict.fromkeys(row.target_response))
 
 
 def collate_lines(
@@ -123,9 +138,14 @@ def collate_lines(
     t_col: list[int] = []
     t_ids: list[int] = []
     t_resp: list[int] = []
+    R = response_offset[-1]
+    r_line, r_doc, r_branch = [-1] * R, [-1] * R, [-1] * R
     for b, line in enumerate(lines):
         start = 0
         for doc, (e, row) in enumerate(line):
+            for branch, k in enumerate(_responses_in_order(row), start=1):
+                r = response_offset[e] + k
+                r_line[r], r_doc[r], r_branch[r] = b, doc, branch
             n = len(row)
             end = start + n
             input_ids[b, start:end] = torch.tensor(row.input_ids)
@@ -137,6 +157,8 @@ def collate_lines(
             t_ids.extend(row.target_ids)
             t_resp.extend(response_offset[e] + k for k in row.target_response)
             start = end
+    if -1 in r_line:
+        raise ValueError(f"response {r_line.index(-1)} of the batch is in none of its lines")
 
     response_lengths = torch.tensor([len(r) for ex in examples for r in ex.response_ids], dtype=torch.long)
     better = [response_offset[e] + i for e, ex in enumerate(examples) for i, _ in ex.pairs]
@@ -154,6 +176,9 @@ def collate_lines(
         target_ids=torch.tensor(t_ids, dtype=torch.long),
         target_response=torch.tensor(t_resp, dtype=torch.long),
         response_lengths=response_lengths,
+        response_line=torch.tensor(r_line, dtype=torch.long),
+        response_doc=torch.tensor(r_doc, dtype=torch.long),
+        response_branch=torch.tensor(r_branch, dtype=torch.long),
         pair_better=torch.tensor(better, dtype=torch.long),
         pair_worse=torch.tensor(worse, dtype=torch.long),
         max_sequence_length=max_seq,

@@ -14,7 +14,7 @@ zero-weight batch that still runs the model (so the engines' collectives line up
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import numpy as np
@@ -163,17 +163,63 @@ def empty_batch(pad_token_id: int = 0) -> Batch:
     return Batch(**lines, **empty, max_sequence_length=1)
 
 
+MARGIN = "margin"  # `Example.meta` key of a record's reward margin (TRL's `margin` column, reward models)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loader builds it; never changed afterwards (what an optimizer step works out for
+    it, such as a pre-pass's reference sums or the step context, goes beside it, never into it).
+
+    batch:           the `Batch` (B lines of length L, R responses, P preference pairs)
+    example_ids:     [E] long, the batch's examples (indices into the loader's examples), in batch order
+    step_pairs:      preference pairs in this micro-batch's whole optimizer step over all ranks (the loss's divisor)
+    real_tokens:     tokens that are not padding; slots: B x L
+    shared_tokens:   tokens of the examples' rows as run; unshared_tokens: as standard paired DPO runs them
+                     (equal when prefix sharing is off)
+    ref_logps:       [R] fp32 reference log-prob sums from a precomputed table, in the batch's response order;
+                     None without a table
+    margins:         [P] fp32 reward margins of the pairs (each example's `meta["margin"]`, 0 where unset), or
+                     None when no example of the batch has one (TRL's reward loss without the term)
+    """
+
+    batch: Batch
+    example_ids: torch.Tensor
+    step_pairs: int
+    real_tokens: int = 0
+    slots: int = 0
+    shared_tokens: int = 0
+    unshared_tokens: int = 0
+    ref_logps: torch.Tensor | None = None
+    margins: torch.Tensor | None = None
+
+    def token_counts(self) -> dict[str, int]:
+        """The token counts the metric sums add up (`training.metrics.COUNTS`)."""
+        return {"real_tokens": self.real_tokens, "slots": self.slots, "shared_tokens": self.shared_tokens,
+                "unshared_tokens": self.unshared_tokens}
+
+    def pin_memory(self) -> "MicroBatch":
+        """A copy with every tensor page-locked (`DataLoader(pin_memory=True)` calls this)."""
+        pinned = {name: getattr(self, name).pin_memory() for name in ("batch", "example_ids", "ref_logps", "margins")
+                  if getattr(self, name) is not None}
+        return replace(self, **pinned)
+
+
+def pair_margins(examples: Sequence[Example]) -> torch.Tensor | None:
+    """Margins [P] of the pairs of `examples` (example by example, each example's pairs in order), or None when
+    no example has one."""
+    if not any(MARGIN in ex.meta for ex in examples):
+        return None
+    return torch.tensor([ex.meta.get(MARGIN, 0.0) for ex in examples for _ in ex.pairs], dtype=torch.float32)
+
+
 class MicroBatches(torch.utils.data.Dataset):
-    """This rank's micro-batches of the current epoch, as a map-style dataset (item m = micro-batch m).
+    """This rank's micro-batches of the current epoch, as a map-style dataset (item m = `MicroBatch` m).
 
     Map-style so `transformers.Trainer` can skip already-trained micro-batches on resume. Call
     `set_epoch(e)` before each epoch: the plan is re-drawn with (seed, e). The number of micro-batches
     is fixed at the first epoch's (best-fit packing makes it the same every epoch; if a plan ever
     differs, it is padded with zero-weight micro-batches or its extra lines folded into the last ones).
-
-    Each item is a dict: ``batch`` (Batch), ``example_ids`` ([E] long, the batch's examples in batch
-    order), ``ref_logps`` ([R], only with a precomputed reference table), ``step_pairs`` (pairs in this micro-batch's optimizer step over all ranks), and token counts
-    ``real_tokens``, ``slots``, ``shared_tokens``, ``unshared_tokens``.
     """
 
     def __init__(self, examples: Sequence[Example], settings: LoaderSettings, rank: int = 0, world_size: int = 1,
@@ -206,40 +252,38 @@ class MicroBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._length
 
-    def __getitem__(self, m: int) -> dict:
+    def __getitem__(self, m: int) -> MicroBatch:
         lines = self.plan[self.rank][m]
         ids = [e for line in lines for e in line]
         total = self.step_pairs[m // self.settings.grad_accum]
         if not ids:
-            return {"batch": empty_batch(self.settings.pad_token_id), "example_ids": torch.zeros(0, dtype=torch.long),
-                    "step_pairs": total, "real_tokens": 0, "slots": 0, "shared_tokens": 0, "unshared_tokens": 0}
+            return MicroBatch(empty_batch(self.settings.pad_token_id), torch.zeros(0, dtype=torch.long), total)
         exs = [self.examples[e] for e in ids]
+        batch = self._layout(exs, lines)
+        example_ids = torch.tensor(ids, dtype=torch.long)
+        return MicroBatch(
+            batch, example_ids, total,
+            real_tokens=batch.num_real_tokens,
+            slots=batch.num_slots,
+            shared_tokens=sum(row_length(ex, self.settings.prefix_sharing) for ex in exs),
+            unshared_tokens=sum(ex.unshared_length for ex in exs),
+            ref_logps=None if self.ref_table is None else self.ref_table.gather(example_ids),
+            margins=pair_margins(exs),
+        )
+
+    def _layout(self, exs: list[Example], lines: list[list[int]]) -> Batch:
+        """The Batch of one micro-batch's examples `exs` (planned as `lines` of example indices)."""
         if self.settings.packing and self.plan_settings.packing:
             # packs as local indices
             local, k = [], 0
             for line in lines:
                 local.append(list(range(k, k + len(line))))
                 k += len(line)
-            batch = build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=[p for p in local if p],
-                                pad_token_id=self.settings.pad_token_id, length=self.pack_length)
-        else:
-            batch = build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=None,
-                                pad_token_id=self.settings.pad_token_id, pad_multiple=self.settings.pad_multiple,
-                                bucket=self.settings.bucket)
-        example_ids = torch.tensor(ids, dtype=torch.long)
-        item = {
-            "batch": batch,
-            "example_ids": example_ids,
-            "step_pairs": total,
-            "real_tokens": batch.num_real_tokens,
-            "slots": batch.num_slots,
-            # tokens run vs tokens standard paired DPO runs (equal when prefix sharing is off)
-            "shared_tokens": sum(row_length(ex, self.settings.prefix_sharing) for ex in exs),
-            "unshared_tokens": sum(ex.unshared_length for ex in exs),
-        }
-        if self.ref_table is not None:
-            item["ref_logps"] = self.ref_table.gather(example_ids)  # [R], in the batch's response order
-        return item
+            return build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=[p for p in local if p],
+                               pad_token_id=self.settings.pad_token_id, length=self.pack_length)
+        return build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=None,
+                           pad_token_id=self.settings.pad_token_id, pad_multiple=self.settings.pad_multiple,
+                           bucket=self.settings.bucket)
 
 
 def _fit(micro_batches: list, length: int) -> list:
@@ -251,12 +295,12 @@ def _fit(micro_batches: list, length: int) -> list:
     return out
 
 
-def _first(items: list) -> dict:
+def _first(items: list[MicroBatch]) -> MicroBatch:
     return items[0]
 
 
 def make_dataloader(dataset: MicroBatches, num_workers: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader:
-    """A DataLoader yielding one micro-batch dict per step (batch_size=1 + unwrap, so resume can skip)."""
+    """A DataLoader yielding one `MicroBatch` per step (batch_size=1 + unwrap, so resume can skip)."""
     return torch.utils.data.DataLoader(
         dataset, batch_size=1, shuffle=False, collate_fn=_first, num_workers=num_workers, pin_memory=pin_memory
     )

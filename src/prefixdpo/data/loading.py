@@ -50,6 +50,21 @@ _BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "j
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
 
 
+def read_tab_groups(path: str, what: str = "responses") -> list[tuple[str, list[str]]]:
+    """(prompt, [text, ...]) per line of a file of lines 'prompt<TAB>text<TAB>text...' (`verify --text_file`):
+    a line with fewer than 2 `what` or a file without lines is a one-line `UserError` naming it."""
+    groups = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh):
+            parts = [x for x in line.rstrip("\n").split("\t") if x]
+            if len(parts) < 3:
+                raise UserError(f"{path} line {n + 1}: needs a prompt and at least 2 {what}, tab-separated")
+            groups.append((parts[0], parts[1:]))
+    if not groups:
+        raise UserError(f"{path}: no groups")
+    return groups
+
+
 def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "") -> list:
     """Records of a JSON Lines file (or a JSON file holding one list). A line that is not valid UTF-8 or not
     valid JSON becomes an `InvalidRecordError` in its place, so record numbering never shifts.

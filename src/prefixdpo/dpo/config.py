@@ -19,8 +19,16 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from prefixdpo.dpo.losses import LossConfigError
-from prefixdpo.dpo.objective import LOSS_ALIASES, LOSSES, NEEDS_NO_REFERENCE, LossParams
+from prefixdpo.dpo.loss_table import (
+    LossParams,
+    canonical_loss_types,
+    check_loss_options,
+    known_loss_names,
+    losses_reading,
+    needs_reference,
+    resolve_losses,
+)
+from prefixdpo.dpo.tr_dpo import check_tr_dpo_options
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
@@ -121,7 +129,7 @@ class PrefixDPOConfig(PrefixSharingOptions, RunSafetyOptions, TrainingArguments)
     beta: float = field(default=0.1, metadata={"help": "DPO beta (IPO's tau, SimPO's beta)."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": f"Loss type(s), combined with loss_weights. One or more of {sorted(set(LOSSES) | set(LOSS_ALIASES))}."},
+        metadata={"help": f"Loss type(s), combined with loss_weights. One or more of {known_loss_names()}."},
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss_type (default 1 each)."})
     label_smoothing: float = field(default=0.0, metadata={"help": "cDPO/robust/EXO epsilon."})
@@ -171,24 +179,13 @@ class PrefixDPOConfig(PrefixSharingOptions, RunSafetyOptions, TrainingArguments)
         check_shared_options(self)
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ConfigError(f"ld_alpha={self.ld_alpha}: must be in [0, 1]")
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha}: must be in [0, 1]")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
-        if self.sync_ref_model and self.precompute_ref_log_probs:
-            raise ConfigError("sync_ref_model updates the reference during training, but precompute_ref_log_probs "
-                              "fixes its log-probs before training: use one of them")
-        if not self.loss_type:
-            raise LossConfigError("loss_type is empty")
-        for name in self.loss_type:
-            if LOSS_ALIASES.get(name, name) not in LOSSES:
-                raise LossConfigError(f"unknown loss_type {name!r}; known: {', '.join(sorted(set(LOSSES) | set(LOSS_ALIASES)))}")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise LossConfigError(f"loss_weights has {len(self.loss_weights)} entries for {len(self.loss_type)} loss types")
+        check_tr_dpo_options(self)
+        resolve_losses(self.loss_type, self.loss_weights)  # names and weights: the loss table's one check
         if self.logprob_chunk_size < 1:
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta}: must be positive")
+        check_loss_options(self.loss_types, self.loss_params())  # f-divergence and WPO defined for these losses
         refuse_or_state_options_without_effect(self)
 
     # ---- derived ----
@@ -209,7 +206,7 @@ class PrefixDPOConfig(PrefixSharingOptions, RunSafetyOptions, TrainingArguments)
 
     @property
     def needs_reference(self) -> bool:
-        return any(LOSS_ALIASES.get(n, n) not in NEEDS_NO_REFERENCE for n in self.loss_types)
+        return needs_reference(self.loss_types)
 
     def loss_params(self) -> LossParams:
         return LossParams(
@@ -238,11 +235,14 @@ def refuse_or_state_options_without_effect(config) -> None:
     values = vars(config)
     changed = changed_options(config)
     precompute = config.precompute_ref_log_probs
-    losses = {LOSS_ALIASES.get(name, name) for name in config.loss_types}
-    for option, loss in (("simpo_gamma", "simpo"), ("orpo_alpha", "orpo")):
-        if option in changed and loss not in losses:
-            raise ConfigError(f"{option}={values[option]} has no effect: it is a parameter of loss_type {loss}, "
-                              f"not of {' '.join(config.loss_type)}")
+    # Which losses read an option is the loss table's; which options are checked here is a choice: ours are
+    # refused, TRL's stated (TRL accepts label_smoothing & co. with any loss silently, so do we).
+    losses = set(canonical_loss_types(config.loss_types))
+    for option in ("simpo_gamma", "orpo_alpha"):
+        readers = losses_reading(option)
+        if option in changed and not losses & set(readers):
+            raise ConfigError(f"{option}={values[option]} has no effect: it is a parameter of loss_type "
+                              f"{' '.join(readers)}, not of {' '.join(config.loss_type)}")
     stated = []  # TRL's options, and where a setting only names a place: accepted, said once
     if config.ref_cache_dir and not precompute:  # a base config may set it for every run
         stated.append("ref_cache_dir has no effect without precompute_ref_log_probs")
@@ -252,8 +252,9 @@ def refuse_or_state_options_without_effect(config) -> None:
     if precompute and not config.needs_reference:
         stated.append(f"precompute_ref_log_probs has no effect: loss_type {' '.join(config.loss_type)} uses no "
                       "reference model")
-    if "discopop_tau" in changed and "discopop" not in losses:
-        stated.append(f"discopop_tau={config.discopop_tau} has no effect: loss_type is not discopop")
+    discopop = losses_reading("discopop_tau")
+    if "discopop_tau" in changed and not losses & set(discopop):
+        stated.append(f"discopop_tau={config.discopop_tau} has no effect: loss_type is not {' or '.join(discopop)}")
     for option in ("ref_model_mixup_alpha", "ref_model_sync_steps"):
         if option in changed and not config.sync_ref_model:
             stated.append(f"{option}={values[option]} has no effect without sync_ref_model")

@@ -1,27 +1,21 @@
-"""Preference losses on per-pair sequence log-probs: small pure functions.
+"""Preference losses on per-pair sequence log-probs: small pure functions, one per loss.
 
-Every loss here takes 1-D tensors of length ``P`` (one entry per preference pair) and returns
-per-pair losses ``[P]``. The objective of one optimizer step is ``sum(per-pair losses) / P_step``
-over ALL the step's pairs (every micro-batch, every rank), so splitting the step's pairs into any
-micro-batches and summing gives the same value and gradients. Losses coupled to the batch (``sft``
-and ORPO's NLL, the sorted AOT losses, BCO's reward mean) therefore take their batch-level part
-as an argument (``mean_chosen_tokens``, ``partners``, ``delta``) that the caller computes over the
-whole step (:mod:`prefixdpo.dpo.objective`); left at its default, the call itself is the whole step.
+Each takes 1-D tensors of length ``P`` (one entry per preference pair) and returns per-pair losses ``[P]``.
+A loss coupled to the whole optimizer step (``sft``'s token mean, the sorted AOT losses, BCO's reward
+mean) takes that part as an argument (``mean_chosen_tokens``, ``partners``, ``delta``); left at its
+default, the call itself is the whole step. Names follow TRL 1.x ``DPOConfig.loss_type`` and each formula
+equals TRL 1.16's ``DPOTrainer._compute_loss`` on one batch holding the step's pairs, unless a docstring
+says otherwise; ``simpo`` and ``orpo`` follow TRL's ``CPOTrainer`` / ``ORPOTrainer``.
 
-Names follow TRL 1.x ``DPOConfig.loss_type`` and each formula equals TRL 1.16's
-``DPOTrainer._compute_loss`` on one batch holding the step's pairs (the mean over pairs of our
-``[P]`` equals TRL's scalar), except where a docstring says otherwise. The reference-free ``simpo``
-and ``orpo`` follow TRL's experimental ``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``.
-
-Argument names: ``*_logps`` are summed log-probs of a response's tokens; ``*_logratios`` are
-``policy - reference`` log-probs; ``*_scores`` are log-ratios after the f-divergence transform
-(:func:`f_divergence_scores`; the log-ratios themselves for standard DPO); ``*_lengths`` are
-response token counts. The registry, validation and step context live in :mod:`prefixdpo.dpo.objective`.
+Arguments: ``*_logps`` summed log-probs of a response's tokens; ``*_logratios`` policy - reference;
+``*_scores`` log-ratios after :func:`f_divergence_scores`; ``*_lengths`` response token counts. What each
+loss needs, and how it is called, is its row in :mod:`prefixdpo.dpo.loss_table`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,28 +54,31 @@ class LossConfigError(ConfigError):
     """An unknown loss name or an inconsistent loss setting (an option the user gave)."""
 
 
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+def _alpha_divergence(logratios: Tensor, alpha: float) -> Tensor:
+    # f'(t) = (t^(alpha-1) - 1) / (alpha - 1)
+    if abs(alpha - 1.0) < 1e-6:  # the limit alpha -> 1 is log t
+        return logratios
+    t = (alpha - 1.0) * logratios
+    # clamp so exp() stays finite once cast back to a half-precision dtype
+    clamp_max = {torch.float16: 11.0}.get(t.dtype, 80.0)
+    return (torch.exp(torch.clamp(t.float(), max=clamp_max)) - 1.0).to(t.dtype) / (alpha - 1.0)
+
+
+# f'(t) at t = pi / pi_ref as a function of (log t, alpha), by TRL's f_divergence_type names
+F_DIVERGENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "reverse_kl": lambda logratios, alpha: logratios,  # standard DPO
+    "forward_kl": lambda logratios, alpha: 1 - torch.exp(-logratios),  # f'(t) = 1 - 1/t
+    "js_divergence": lambda logratios, alpha: math.log(2) + F.logsigmoid(logratios),  # f'(t) = log(2t / (t + 1))
+    "alpha_divergence": _alpha_divergence,
+}
 
 
 def f_divergence_scores(logratios: Tensor, f_divergence_type: str = "reverse_kl", alpha: float = 0.5) -> Tensor:
     """f'(t) at t = pi/pi_ref, the f-DPO score (https://arxiv.org/abs/2309.16240). ``[P] -> [P]``.
 
-    ``reverse_kl`` is standard DPO (the log-ratio itself).
+    ``f_divergence_type``: a key of :data:`F_DIVERGENCES` (the loss table refuses others, once).
     """
-    if f_divergence_type == "reverse_kl":
-        return logratios
-    if f_divergence_type == "forward_kl":  # f'(t) = 1 - 1/t
-        return 1 - torch.exp(-logratios)
-    if f_divergence_type == "js_divergence":  # f'(t) = log(2t / (t + 1))
-        return math.log(2) + F.logsigmoid(logratios)
-    if f_divergence_type == "alpha_divergence":  # f'(t) = (t^(alpha-1) - 1) / (alpha - 1)
-        if abs(alpha - 1.0) < 1e-6:  # the limit alpha -> 1 is log t
-            return logratios
-        t = (alpha - 1.0) * logratios
-        # clamp so exp() stays finite once cast back to a half-precision dtype
-        clamp_max = {torch.float16: 11.0}.get(t.dtype, 80.0)
-        return (torch.exp(torch.clamp(t.float(), max=clamp_max)) - 1.0).to(t.dtype) / (alpha - 1.0)
-    raise LossConfigError(f"unknown f_divergence_type {f_divergence_type!r}; known: {', '.join(F_DIVERGENCES)}")
+    return F_DIVERGENCES[f_divergence_type](logratios, alpha)
 
 
 def sigmoid_loss(chosen_scores: Tensor, rejected_scores: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
@@ -157,7 +154,7 @@ def bco_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: fl
     """BCO on pairs, https://arxiv.org/abs/2404.04656. ``[P] -> [P]``.
 
     ``-logsigmoid(r_c - delta) - logsigmoid(-(r_r - delta))`` with ``r = beta * logratio``.
-    ``delta`` is the running reward mean over training steps (``prefixdpo.dpo.objective.BCORunningMean``);
+    ``delta`` is the running reward mean over training steps (``prefixdpo.dpo.objective.RunningMean``);
     TRL 1.16 dropped it, which is ``delta = 0`` here (the default).
     """
     r_c, r_r = beta * chosen_logratios, beta * rejected_logratios

@@ -1,158 +1,45 @@
-"""The training objective: loss registry, input validation, the optimizer step's context, ``combined_loss``.
+"""The training objective: ``combined_loss`` (the weighted per-pair losses of one call) and the
+:class:`StepContext` that losses coupled across pairs read, built once per optimizer step.
 
-Every loss is defined on the pairs of one whole optimizer step (all micro-batches, all ranks), as
-TRL 1.16 computes it on one batch holding all of them: the step's loss is
-``sum_i losses[i] / P_step`` over the step's pairs, whatever micro-batches and ranks they are
-split into, in value and in gradients. Per-pair losses (``sigmoid``, ``ipo``, ...) need nothing
-more. Losses coupled to the batch need a little of the whole step, carried by :class:`StepContext`:
-
-- ``sft`` (also ORPO's NLL, and RPO = another loss + weighted ``sft``): the step's chosen tokens
-  per pair (from the data plan; no extra forward);
-- ``aot`` / ``aot_unpaired``: each pair's quantile partner among the step's detached margins /
-  log-ratios (:func:`prefixdpo.dpo.losses.quantile_partners`); needs :class:`StepPairs`;
-- ``bco_pair``: delta, the running reward mean over training steps (:class:`BCORunningMean`),
-  updated once per training step with all the step's rewards; needs :class:`StepPairs` to train.
-
-Trainer protocol, once per optimizer step::
-
-    pairs = StepPairs.cat([...]) if needs_step_pairs(loss_types, train=True) else None
-    context = step_context(loss_types, params, pairs, num_pairs=P_step, chosen_tokens=C_step,
-                           bco_state=state, train=True)
-    for each micro-batch (step indices idx [P_local] of its pairs, in ``pairs``' order):
-        losses, per_type = combined_loss(loss_types, weights, inputs, params, context.local(idx))
-        (losses.sum() / P_step).backward()          # x num_processes under DDP's gradient mean
-
-``StepPairs`` holds every pair of the step: under gradient accumulation the trainer gets them by a
-no-grad forward over the step's micro-batches first, and across ranks by gathering them (every
-rank then builds the same context); with one micro-batch per step the micro-batch's own detached
-values (``StepPairs.of(inputs)``, gathered) serve, with no extra forward.
+Every loss is defined on the pairs of one whole optimizer step (all micro-batches, all ranks), as TRL 1.16
+computes it on one batch: the step's loss is ``sum(per-pair losses) / P_step`` however the pairs are split,
+in value and gradients. What a loss needs of the step is declared in its row of
+:mod:`prefixdpo.dpo.loss_table`; the trainer's side (pre-pass, gather over ranks) is :mod:`prefixdpo.dpo.coupling`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from prefixdpo.dpo.losses import (
-    F_DIVERGENCES,
-    LossConfigError,
-    aot_loss,
-    aot_unpaired_loss,
-    apo_down_loss,
-    apo_zero_loss,
-    bco_pair_loss,
-    discopop_loss,
-    exo_pair_loss,
-    f_divergence_scores,
-    hinge_loss,
-    ipo_loss,
-    nca_pair_loss,
-    orpo_loss,
-    quantile_partners,
-    rewards,
-    robust_loss,
-    sft_loss,
-    sigmoid_loss,
-    sigmoid_norm_loss,
-    simpo_loss,
-    sppo_hard_loss,
+from prefixdpo.dpo.loss_table import (
+    LOSS_TABLE,
+    LossParams,
+    LossRow,
+    LossStep,
+    PairLogps,
+    StepPairs,
+    check_loss_options,
+    loss_row,
+    needs_step_pairs,
+    resolve_losses,
 )
+from prefixdpo.dpo.losses import LossConfigError
 
-__all__ = [
-    "PairLogps",
-    "LossParams",
-    "BCORunningMean",
-    "StepPairs",
-    "StepContext",
-    "LossConfigError",
-    "LOSSES",
-    "LOSS_ALIASES",
-    "REFERENCE_FREE",
-    "NEEDS_NO_REFERENCE",
-    "F_DIVERGENCE_LOSSES",
-    "canonical_loss_types",
-    "needs_step_pairs",
-    "step_context",
-    "combined_loss",
-    "pair_rewards",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs, parameters, state
-# ---------------------------------------------------------------------------------------------
+__all__ = ["RunningMean", "StepContext", "build_step_context", "combined_loss", "LossConfigError"]
 
 
 @dataclass
-class PairLogps:
-    """Per-pair log-prob statistics of the pairs one call computes losses for; every tensor is ``[P]``.
+class RunningMean:
+    """Running mean of values over training steps (BCO's ``delta``, https://arxiv.org/abs/2404.04656).
 
-    ``policy_*``: summed log-probs of each response's tokens (LD-DPO's length-desensitised sums when
-    ``ld_alpha`` is set); ``ref_*``: the same under the reference model (``None`` for reference-free
-    losses); ``*_lengths``: response token counts; ``wpo_weights``: WPO's per-pair weight
-    ``w_chosen * w_rejected`` (detached; only with ``use_weighting``).
-    """
-
-    policy_chosen_logps: Tensor
-    policy_rejected_logps: Tensor
-    ref_chosen_logps: Tensor | None = None
-    ref_rejected_logps: Tensor | None = None
-    chosen_lengths: Tensor | None = None
-    rejected_lengths: Tensor | None = None
-    wpo_weights: Tensor | None = None
-
-    @property
-    def has_reference(self) -> bool:
-        return self.ref_chosen_logps is not None and self.ref_rejected_logps is not None
-
-
-# The f-DPO reparameterisation leaves a beta*log Z(x) term that only cancels in the chosen-minus-
-# rejected score difference, so only losses built on that difference generalise (TRL's set).
-F_DIVERGENCE_LOSSES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
-
-
-@dataclass
-class LossParams:
-    """Hyper-parameters shared by the losses (defaults are TRL's).
-
-    - ``beta``: DPO beta; IPO's tau; SimPO's beta (TRL ``CPOConfig.beta``).
-    - ``label_smoothing``: cDPO / robust / EXO epsilon; also AOT's and SimPO's smoothing (as in TRL).
-    - ``simpo_gamma``: SimPO's target reward margin gamma (TRL ``CPOConfig.simpo_gamma``).
-    - ``orpo_alpha``: ORPO's lambda weighting the odds-ratio term (TRL ``ORPOConfig.beta``).
-    - ``discopop_tau``: DiscoPOP's temperature tau.
-    - ``f_divergence_type`` / ``f_alpha_divergence_coef``: f-DPO score transform (TRL's names).
-    - ``use_weighting``: WPO (https://arxiv.org/abs/2406.11827): every loss of a pair multiplied by
-      ``w_chosen * w_rejected``, ``w = exp(mean over the response's tokens of log p(y_t) - log sum_v p(v)^2)``
-      under the policy, without gradient (TRL's ``use_weighting``; the inputs carry ``wpo_weights``).
-    - ``ld_alpha``: LD-DPO's weight of the tokens past the shorter response's length, applied to policy
-      and reference log-prob sums where they are computed (``prefixdpo.dpo.step.pair_logps``); ``None``: off.
-    """
-
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    orpo_alpha: float = 0.1
-    discopop_tau: float = 0.05
-    f_divergence_type: str = "reverse_kl"
-    f_alpha_divergence_coef: float = 0.5
-    use_weighting: bool = False
-    ld_alpha: float | None = None
-
-
-@dataclass
-class BCORunningMean:
-    """Running mean of implicit rewards over training steps, the ``delta`` of BCO
-    (https://arxiv.org/abs/2404.04656).
-
-    Count-weighted over every reward value seen (chosen and rejected alike). :func:`step_context`
-    folds in each training step's rewards once, over all its pairs on all ranks (so every rank
-    keeps the same mean), BEFORE the step's losses use it: the step's own rewards are included,
-    as in the BCO paper's Algorithm 1 and TRL < 1.0, so the first step's delta is its reward mean
-    rather than an arbitrary 0. (The price: training with ``bco_pair`` needs :class:`StepPairs`.)
-    Evaluation reads the mean and never moves it. Save :meth:`state_dict` with checkpoints.
+    Count-weighted over every value seen. :func:`build_step_context` folds in each training step's values
+    once, over all its pairs on all ranks (every rank keeps the same mean), BEFORE the step's losses read it,
+    as the BCO paper's Algorithm 1 and TRL < 1.0 do. Evaluation reads it and never moves it; it is saved
+    with checkpoints (:meth:`state_dict`).
     """
 
     mean: float = 0.0
@@ -176,263 +63,116 @@ class BCORunningMean:
 
 
 @dataclass(frozen=True)
-class StepPairs:
-    """Detached log-probs of EVERY pair of one optimizer step (all micro-batches, all ranks); each ``[P_step]``.
-
-    A pair's position here is its step index (what :meth:`StepContext.local` takes). Only the
-    sorted AOT losses and training ``bco_pair`` need these (:func:`needs_step_pairs`); all need a
-    reference. Response lengths are not here: ``sft``'s token count comes from the data plan.
-    """
-
-    policy_chosen_logps: Tensor
-    policy_rejected_logps: Tensor
-    ref_chosen_logps: Tensor
-    ref_rejected_logps: Tensor
-
-    @classmethod
-    def of(cls, inputs: PairLogps) -> StepPairs:
-        """The detached values of ``inputs`` (a micro-batch's, or a whole step's in one call)."""
-        if not inputs.has_reference:
-            raise ValueError("StepPairs need reference log-probs (ref_chosen_logps and ref_rejected_logps)")
-        return cls(
-            inputs.policy_chosen_logps.detach(), inputs.policy_rejected_logps.detach(),
-            inputs.ref_chosen_logps.detach(), inputs.ref_rejected_logps.detach(),
-        )  # fmt: skip
-
-    @classmethod
-    def cat(cls, parts: Sequence[StepPairs]) -> StepPairs:
-        """Concatenate micro-batches' (or ranks') pairs in step-index order."""
-        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
-
-    @property
-    def num_pairs(self) -> int:
-        return self.policy_chosen_logps.numel()
-
-
-@dataclass(frozen=True)
 class StepContext:
-    """What coupled losses need from the whole optimizer step; build with :func:`step_context`.
+    """What the configured losses need of the whole optimizer step; build with :func:`build_step_context`.
 
     - ``num_pairs``: pairs in the whole step, the divisor of the summed per-pair losses.
-    - ``mean_chosen_tokens``: the step's chosen tokens / ``num_pairs`` (``sft``, ``orpo``).
-    - ``bco_delta``: BCO's reward mean for this step.
-    - ``aot_partners`` / ``aot_unpaired_partners``: :func:`prefixdpo.dpo.losses.quantile_partners`
-      of the step's policy/reference margins and chosen/rejected log-ratios, each a pair of
-      ``[P_step]`` tensors, or of ``[P_local]`` after :meth:`local`; ``None`` when not configured.
+    - ``mean_chosen_tokens``: the step's chosen tokens / ``num_pairs`` (rows with ``token_mean``).
+    - ``step_values``: loss name -> its row's ``step_values``, each ``[P_step]``, or ``[P_local]`` after :meth:`local`.
+    - ``running_means``: loss name -> its running mean for this step (rows with ``running_mean``).
     """
 
     num_pairs: int
     mean_chosen_tokens: Tensor | float = 1.0
-    bco_delta: float = 0.0
-    aot_partners: tuple[Tensor, Tensor] | None = None
-    aot_unpaired_partners: tuple[Tensor, Tensor] | None = None
+    step_values: Mapping[str, tuple[Tensor, ...]] = field(default_factory=dict)
+    running_means: Mapping[str, float] = field(default_factory=dict)
 
     def local(self, indices: Tensor) -> StepContext:
         """The context of one micro-batch whose pairs have step indices ``indices`` ``[P_local]``."""
-
-        def pick(partners):
-            return None if partners is None else tuple(t[indices.to(t.device)] for t in partners)
-
-        return replace(
-            self, aot_partners=pick(self.aot_partners), aot_unpaired_partners=pick(self.aot_unpaired_partners)
-        )
+        picked = {name: tuple(t[indices.to(t.device)] for t in values) for name, values in self.step_values.items()}
+        return replace(self, step_values=picked)
 
     def pairs_held(self) -> int | None:
-        """Pairs the per-pair tensors hold (``P_step``, or ``P_local`` after :meth:`local`); None if none."""
-        for partners in (self.aot_partners, self.aot_unpaired_partners):
-            if partners is not None:
-                return partners[0].numel()
+        """Pairs the per-pair values hold (``P_step``, or ``P_local`` after :meth:`local`); None if none."""
+        for values in self.step_values.values():
+            return values[0].numel()
         return None
 
-
-# ---------------------------------------------------------------------------------------------
-# Registry: name -> adapter (PairLogps, LossParams, StepContext) -> [P]
-# ---------------------------------------------------------------------------------------------
-
-LossFn = Callable[[PairLogps, LossParams, StepContext], Tensor]
+    def for_loss(self, name: str) -> LossStep:
+        return LossStep(self.mean_chosen_tokens, self.step_values.get(name), self.running_means.get(name, 0.0))
 
 
-def _logratios(x: PairLogps) -> tuple[Tensor, Tensor]:
-    return x.policy_chosen_logps - x.ref_chosen_logps, x.policy_rejected_logps - x.ref_rejected_logps
-
-
-def _scores(x: PairLogps, p: LossParams) -> tuple[Tensor, Tensor]:
-    c, r = _logratios(x)
-    return (
-        f_divergence_scores(c, p.f_divergence_type, p.f_alpha_divergence_coef),
-        f_divergence_scores(r, p.f_divergence_type, p.f_alpha_divergence_coef),
-    )
-
-
-LOSSES: dict[str, LossFn] = {
-    "sigmoid": lambda x, p, c: sigmoid_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "robust": lambda x, p, c: robust_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "hinge": lambda x, p, c: hinge_loss(*_scores(x, p), p.beta),
-    "ipo": lambda x, p, c: ipo_loss(*_scores(x, p), x.chosen_lengths, x.rejected_lengths, p.beta),
-    "sigmoid_norm": lambda x, p, c: sigmoid_norm_loss(*_scores(x, p), x.chosen_lengths, x.rejected_lengths, p.beta),
-    "exo_pair": lambda x, p, c: exo_pair_loss(*_scores(x, p), p.beta, p.label_smoothing),
-    "nca_pair": lambda x, p, c: nca_pair_loss(*_logratios(x), p.beta),
-    "bco_pair": lambda x, p, c: bco_pair_loss(*_logratios(x), p.beta, c.bco_delta),
-    "sppo_hard": lambda x, p, c: sppo_hard_loss(*_logratios(x), p.beta),
-    "aot": lambda x, p, c: aot_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.ref_chosen_logps, x.ref_rejected_logps,
-        p.beta, p.label_smoothing, c.aot_partners,
-    ),
-    "aot_unpaired": lambda x, p, c: aot_unpaired_loss(
-        *_logratios(x), p.beta, p.label_smoothing, c.aot_unpaired_partners
-    ),
-    "apo_zero": lambda x, p, c: apo_zero_loss(*_logratios(x), p.beta),
-    "apo_down": lambda x, p, c: apo_down_loss(*_logratios(x), p.beta),
-    "discopop": lambda x, p, c: discopop_loss(*_scores(x, p), p.beta, p.discopop_tau),
-    "sft": lambda x, p, c: sft_loss(x.policy_chosen_logps, x.chosen_lengths, c.mean_chosen_tokens),
-    "simpo": lambda x, p, c: simpo_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.chosen_lengths, x.rejected_lengths,
-        p.beta, p.simpo_gamma, p.label_smoothing,
-    ),
-    "orpo": lambda x, p, c: orpo_loss(
-        x.policy_chosen_logps, x.policy_rejected_logps, x.chosen_lengths, x.rejected_lengths, p.orpo_alpha,
-        c.mean_chosen_tokens,
-    ),
-}  # fmt: skip
-
-# The AOT issue calls the unpaired variant "aot_pair"; TRL calls it "aot_unpaired".
-LOSS_ALIASES: dict[str, str] = {"aot_pair": "aot_unpaired"}
-
-REFERENCE_FREE = frozenset({"simpo", "orpo"})
-NEEDS_NO_REFERENCE = REFERENCE_FREE | {"sft"}
-_NEEDS_LENGTHS = {
-    "ipo": ("chosen_lengths", "rejected_lengths"),
-    "sigmoid_norm": ("chosen_lengths", "rejected_lengths"),
-    "simpo": ("chosen_lengths", "rejected_lengths"),
-    "orpo": ("chosen_lengths", "rejected_lengths"),
-    "sft": ("chosen_lengths",),
-}
-# Coupled losses and what of the step they need.
-_TOKEN_MEAN = frozenset({"sft", "orpo"})
-_SORTED = frozenset({"aot", "aot_unpaired"})
-# WPO's weights are per pair: TRL refuses them for the sorted losses (a sort misaligns pairs and
-# weights); its sft (a scalar expanded over the pairs) fails on the in-place weighting, so TRL
-# gives sft with use_weighting no meaning to reproduce.
-_NO_WEIGHTING = _SORTED | {"sft"}
-
-
-def canonical_loss_types(loss_types: Iterable[str] | str) -> list[str]:
-    """Loss names resolved through :data:`LOSS_ALIASES`; raises on an unknown, repeated or empty list."""
-    names = [loss_types] if isinstance(loss_types, str) else list(loss_types)
-    if not names:
-        raise LossConfigError("loss_types is empty; give at least one loss type")
-    canonical = []
-    for name in names:
-        resolved = LOSS_ALIASES.get(name, name)
-        if resolved not in LOSSES:
-            known = sorted(set(LOSSES) | set(LOSS_ALIASES))
-            raise LossConfigError(f"unknown loss type {name!r}; known: {', '.join(known)}")
-        canonical.append(resolved)
-    if len(set(canonical)) != len(canonical):
-        raise LossConfigError(f"loss type listed twice in {canonical}; merge their weights instead")
-    return canonical
-
-
-def needs_step_pairs(loss_types: Iterable[str] | str, *, train: bool = True) -> bool:
-    """Whether :func:`step_context` needs :class:`StepPairs` for these losses (the sorted AOT losses
-    always; ``bco_pair`` when training, to fold the step's rewards into its running mean)."""
-    names = set(canonical_loss_types(loss_types))
-    return bool(names & _SORTED) or (train and "bco_pair" in names)
-
-
-def step_context(
+def build_step_context(
     loss_types: Iterable[str] | str,
     params: LossParams,
     step_pairs: StepPairs | None,
     *,
     num_pairs: int,
     chosen_tokens: Tensor | float | None,
-    bco_state: BCORunningMean | None,
+    running: Mapping[str, RunningMean] | None,
     train: bool,
 ) -> StepContext:
-    """The :class:`StepContext` of one optimizer step (or one evaluation batch); build it once per step.
+    """The :class:`StepContext` of one optimizer step (or one evaluation batch), from the losses' rows.
 
-    Args:
-        loss_types: the configured losses (names or aliases).
-        params: hyper-parameters (``beta`` scales BCO's rewards; AOT needs nothing from them here).
-        step_pairs: every pair of the step, when :func:`needs_step_pairs` says so; else ``None``.
-        num_pairs: pairs in the whole step (all micro-batches, all ranks).
-        chosen_tokens: chosen-response tokens in the whole step (needed for ``sft`` / ``orpo``);
-            counted as at least one, like TRL's clamp.
-        bco_state: BCO's running mean; ``None`` gives TRL 1.16's delta = 0. Updated in place here
-            with the step's rewards when ``train`` (eval reads it only).
-        train: whether this is a training step.
+    ``step_pairs``: every pair of the step where :func:`~prefixdpo.dpo.loss_table.needs_step_pairs` says so;
+    ``num_pairs``: the step's pairs (all micro-batches, all ranks); ``chosen_tokens``: the step's chosen
+    tokens (counted as at least one, like TRL's clamp); ``running``: loss name -> its running mean, updated
+    here with the step's values when ``train`` (a loss without one reads 0.0, as TRL 1.16's BCO).
     """
-    names = set(canonical_loss_types(loss_types))
-    # needs_step_pairs, except that without a BCO state there is no running mean to update
-    uses_pairs = bool(names & _SORTED) or (train and "bco_pair" in names and bco_state is not None)
-    # The arguments below come from the trainer, not from an option: a wrong one is a caller's bug, so a
-    # plain ValueError (with its traceback), not a LossConfigError.
-    if step_pairs is None and uses_pairs:
+    rows = {name: loss_row(name) for name, _ in resolve_losses(loss_types)}
+    running = running or {}
+    # A running mean without its state has nothing to update: then the step's pairs are needed as in evaluation.
+    # These arguments come from the trainer, not from an option: a wrong one is a bug (ValueError, traceback).
+    pair_users = sorted(n for n, row in rows.items() if row.needs_step_pairs(train=train and n in running))
+    if step_pairs is None and pair_users:
         raise ValueError(
-            f"losses {', '.join(sorted(names & (_SORTED | {'bco_pair'})))} need step_pairs "
-            "(detached log-probs of every pair of the step)"
+            f"losses {', '.join(pair_users)} need step_pairs (detached log-probs of every pair of the step)"
         )
     if step_pairs is not None and step_pairs.num_pairs != num_pairs:
         raise ValueError(f"step_pairs holds {step_pairs.num_pairs} pairs but num_pairs={num_pairs}")
 
-    mean_chosen_tokens: Tensor | float = 1.0
-    if names & _TOKEN_MEAN:
-        if chosen_tokens is None:
-            raise ValueError(f"losses {', '.join(sorted(names & _TOKEN_MEAN))} need chosen_tokens of the step")
-        total = chosen_tokens.clamp(min=1) if isinstance(chosen_tokens, Tensor) else max(chosen_tokens, 1)
-        mean_chosen_tokens = total / max(num_pairs, 1)
-
-    bco_delta = 0.0
-    if "bco_pair" in names and bco_state is not None:
-        if train:
-            c = step_pairs.policy_chosen_logps - step_pairs.ref_chosen_logps
-            r = step_pairs.policy_rejected_logps - step_pairs.ref_rejected_logps
-            bco_state.update(params.beta * torch.cat([c, r]))
-        bco_delta = bco_state.mean
-
-    aot = aot_unpaired = None
-    if step_pairs is not None:
-        pc, pr = step_pairs.policy_chosen_logps, step_pairs.policy_rejected_logps
-        rc, rr = step_pairs.ref_chosen_logps, step_pairs.ref_rejected_logps
-        if "aot" in names:  # the same margins and log-ratios the loss functions sort
-            aot = quantile_partners(pc - pr, rc - rr)
-        if "aot_unpaired" in names:
-            aot_unpaired = quantile_partners(pc - rc, pr - rr)
-    return StepContext(num_pairs, mean_chosen_tokens, bco_delta, aot, aot_unpaired)
+    mean_chosen_tokens = _mean_chosen_tokens(rows, num_pairs, chosen_tokens)  # checked before any state moves
+    values = {name: row.step_values(step_pairs) for name, row in rows.items() if row.step_values}
+    return StepContext(num_pairs, mean_chosen_tokens, values, _running_means(rows, params, step_pairs, running, train))
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation and the combined objective
-# ---------------------------------------------------------------------------------------------
+def _mean_chosen_tokens(rows: dict[str, LossRow], num_pairs: int, chosen_tokens: Tensor | float | None
+                        ) -> Tensor | float:
+    """The step's chosen tokens per pair where a row has ``token_mean`` (else 1.0, unread)."""
+    token_users = sorted(n for n, row in rows.items() if row.token_mean)
+    if not token_users:
+        return 1.0
+    if chosen_tokens is None:
+        raise ValueError(f"losses {', '.join(token_users)} need chosen_tokens of the step")
+    total = chosen_tokens.clamp(min=1) if isinstance(chosen_tokens, Tensor) else max(chosen_tokens, 1)
+    return total / max(num_pairs, 1)
 
 
-def _check(name: str, inputs: PairLogps, params: LossParams) -> None:
-    # A missing input is the caller's bug (the trainer supplies what the configured losses need): ValueError.
-    # A bad option (f_divergence_type) is the user's: LossConfigError, printed as one line.
-    if name not in NEEDS_NO_REFERENCE and not inputs.has_reference:
-        raise ValueError(
-            f"loss {name!r} needs reference log-probs (ref_chosen_logps and ref_rejected_logps); "
-            f"losses without a reference: {', '.join(sorted(NEEDS_NO_REFERENCE))}"
-        )
-    for attr in _NEEDS_LENGTHS.get(name, ()):
+def _running_means(rows: dict[str, LossRow], params: LossParams, step_pairs: StepPairs | None,
+                   running: Mapping[str, RunningMean], train: bool) -> dict[str, float]:
+    """Each running mean of these losses, after folding in the step's values when ``train``."""
+    means = {}
+    for name, row in rows.items():
+        if row.running_mean and name in running:
+            if train:
+                running[name].update(row.running_mean(step_pairs, row.read_options(params)))
+            means[name] = running[name].mean
+    return means
+
+
+def _check_inputs(name: str, row: LossRow, inputs: PairLogps, params: LossParams) -> None:
+    # The trainer supplies what the configured losses need: a missing input is its bug (ValueError).
+    if row.reference and not inputs.has_reference:
+        free = sorted(n for n, r in LOSS_TABLE.items() if not r.reference)
+        raise ValueError(f"loss {name!r} needs reference log-probs (ref_chosen_logps and ref_rejected_logps); "
+                         f"losses without a reference: {', '.join(free)}")
+    for attr in row.lengths:
         if getattr(inputs, attr) is None:
             raise ValueError(f"loss {name!r} needs {attr} (response token counts)")
-    if params.use_weighting:
-        if name in _NO_WEIGHTING:
-            raise LossConfigError(f"use_weighting (WPO) is not defined for loss {name!r}, as in TRL 1.16")
-        if inputs.wpo_weights is None:
-            raise ValueError("use_weighting needs wpo_weights (pair_logps(..., params) computes them)")
-    if params.f_divergence_type != "reverse_kl":
-        if params.f_divergence_type not in F_DIVERGENCES:
-            raise LossConfigError(
-                f"unknown f_divergence_type {params.f_divergence_type!r}; known: {', '.join(F_DIVERGENCES)}"
-            )
-        if name not in F_DIVERGENCE_LOSSES:
-            raise LossConfigError(
-                f"f_divergence_type={params.f_divergence_type!r} is only defined for "
-                f"{', '.join(sorted(F_DIVERGENCE_LOSSES))}; got loss {name!r}"
-            )
+    if params.use_weighting and inputs.wpo_weights is None:
+        raise ValueError("use_weighting needs wpo_weights (pair_logps(..., params) computes them)")
+
+
+def _whole_step_context(names: list[str], inputs: PairLogps, params: LossParams) -> StepContext:
+    """The context when ``inputs`` hold the whole step (running means read as 0, as TRL 1.16's BCO)."""
+    lengths = inputs.chosen_lengths
+    return build_step_context(
+        names, params, StepPairs.of(inputs) if needs_step_pairs(names, train=False) else None,
+        num_pairs=inputs.policy_chosen_logps.numel(),
+        # a tensor in the log-probs' dtype: no host sync, no float32 rounding of the mean length
+        chosen_tokens=None if lengths is None else lengths.to(inputs.policy_chosen_logps.dtype).sum(),
+        running=None, train=False,
+    )  # fmt: skip
 
 
 def combined_loss(
@@ -442,47 +182,26 @@ def combined_loss(
     params: LossParams | None = None,
     context: StepContext | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of several losses, per pair (TRL's ``loss_type`` list + ``loss_weights``, e.g. MPO).
+    """Weighted sum of the losses per pair (TRL's ``loss_type`` list + ``loss_weights``), ``[P]``, and each
+    loss's per-pair values before its weight (after WPO's pair weight), ``{name: [P]}``.
 
-    Args:
-        loss_types: names from :data:`LOSSES` (or :data:`LOSS_ALIASES`).
-        loss_weights: one weight per loss type; ``None`` means 1.0 each.
-        inputs: per-pair log-probs of this call's pairs, all ``[P]``.
-        params: hyper-parameters (defaults: :class:`LossParams`()).
-        context: the step's context for these pairs (``step_context(...).local(indices)``);
-            ``None``: this call holds the whole step, and the context is built from ``inputs``
-            (BCO's delta = 0, as TRL 1.16).
-
-    Returns:
-        ``(losses [P], {name: [P]})``: the weighted per-pair total, and each loss's per-pair values
-        before its weight (after WPO's pair weight when ``params.use_weighting``, as TRL applies it). Summed over all the step's pairs and divided by ``P_step``, it equals
-        TRL 1.16's loss on one batch of those pairs, in value and gradients. For the sorted AOT
-        losses an entry is pair i's share of the sorted sum, not a loss of pair i alone.
+    ``context``: this call's slice of its step (``build_step_context(...).local(indices)``); ``None``: ``inputs``
+    are the whole step. Summed over the step's pairs and divided by ``P_step``, the total is TRL 1.16's loss on
+    one batch of those pairs, in value and gradients (for the sorted AOT losses an entry is the pair's share).
     """
     params = params or LossParams()
-    names = canonical_loss_types(loss_types)
-    if loss_weights is None:
-        loss_weights = [1.0] * len(names)
-    if len(loss_weights) != len(names):
-        raise LossConfigError(
-            f"loss_weights has {len(loss_weights)} entries but loss_types has {len(names)} ({', '.join(names)})"
-        )
+    losses = resolve_losses(loss_types, loss_weights)
+    names = [name for name, _ in losses]
+    check_loss_options(names, params)
     for name in names:
-        _check(name, inputs, params)
+        _check_inputs(name, loss_row(name), inputs, params)
 
     num_pairs = inputs.policy_chosen_logps.numel()
     if context is None:
-        lengths = inputs.chosen_lengths
-        context = step_context(
-            names, params, StepPairs.of(inputs) if needs_step_pairs(names, train=False) else None,
-            num_pairs=num_pairs,
-            # a tensor in the log-probs' dtype: no host sync, no float32 rounding of the mean length
-            chosen_tokens=None if lengths is None else lengths.to(inputs.policy_chosen_logps.dtype).sum(),
-            bco_state=None, train=False,
-        )  # fmt: skip
+        context = _whole_step_context(names, inputs, params)
     elif not isinstance(context, StepContext):
         raise TypeError(
-            f"context must be a StepContext (from step_context(...).local(indices)), got {type(context).__name__}"
+            f"context must be a StepContext (from build_step_context(...).local(indices)), got {type(context).__name__}"
         )
     held = context.pairs_held()
     if held is not None and held != num_pairs:
@@ -492,29 +211,11 @@ def combined_loss(
 
     total = torch.zeros_like(inputs.policy_chosen_logps)
     per_type: dict[str, Tensor] = {}
-    for name, weight in zip(names, loss_weights):
-        loss = LOSSES[name](inputs, params, context)
+    for name, weight in losses:
+        row = loss_row(name)
+        loss = row.compute(inputs, row.read_options(params), context.for_loss(name))
         if params.use_weighting:
             loss = loss * inputs.wpo_weights
         per_type[name] = loss
         total = total + weight * loss
     return total, per_type
-
-
-# ---------------------------------------------------------------------------------------------
-# Implicit rewards, for metrics
-# ---------------------------------------------------------------------------------------------
-
-
-def pair_rewards(inputs: PairLogps, beta: float) -> tuple[Tensor, Tensor]:
-    """``(chosen_rewards, rejected_rewards)``, each ``[P]``: reference rewards when ``inputs`` has a
-    reference, else length-normalised ones (see :func:`prefixdpo.dpo.losses.rewards`)."""
-    if inputs.has_reference:
-        return (
-            rewards(inputs.policy_chosen_logps, inputs.ref_chosen_logps, beta),
-            rewards(inputs.policy_rejected_logps, inputs.ref_rejected_logps, beta),
-        )
-    return (
-        rewards(inputs.policy_chosen_logps, None, beta, inputs.chosen_lengths),
-        rewards(inputs.policy_rejected_logps, None, beta, inputs.rejected_lengths),
-    )

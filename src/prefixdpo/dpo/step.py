@@ -8,7 +8,8 @@ benchmarked is what trains.
 
 TRL's options on this path: `ld_alpha` (LD-DPO) re-weights each pair's log-probs from the per-token
 log-probs of both passes; `use_weighting` (WPO) takes its weights from the policy's head pass; a MoE
-policy's load-balancing loss comes back as `PairStep.aux_loss` for the trainer to add.
+policy's load-balancing loss comes back as `PairStep.aux_loss` for the trainer to add. The caller builds the
+batch's mask once (one per micro-batch, for the run's backend) and passes it to every pass.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps, ld_pair_logps
-from prefixdpo.dpo.objective import LossConfigError, LossParams, PairLogps, combined_loss
+from prefixdpo.dpo.objective import LossParams, PairLogps, combined_loss
 from prefixdpo.dpo.metrics import pair_metric_sums
 
 
@@ -51,32 +51,31 @@ class PairStep:
                                 p.ref_rejected_logps, p.chosen_lengths, p.rejected_lengths, beta)
 
 
-def pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int = 1024, item=None,
+def pair_logps(policy, batch: Batch, mask, *, reference, chunk_size: int = 1024, item=None, ref_logps=None,
                params: LossParams | None = None) -> PairLogps:
     """Per-pair log-prob sums [P] of `batch` under the policy and the reference.
 
-    One attention mask serves both passes. `item["ref_logps"]` [R], when present (a precomputed table, or a
-    pre-pass of this step), is used instead of running the reference again. `params.ld_alpha` and
-    `params.use_weighting` change the sums / add WPO's weights as TRL 1.16 does (defaults: neither).
+    mask: the batch's attention mask, one for both passes. reference: a `reference.Reference`; item: the loader's
+    `MicroBatch` (a precomputed reference's rows are read from it by the reference). ref_logps: [R] the
+    reference's sums when this step already has them (its pre-pass), used instead of running the reference
+    again. `params.ld_alpha` and `params.use_weighting` change the sums / add WPO's weights as TRL 1.16 does
+    (defaults: neither).
     """
-    return _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size, item=item,
-                       params=params)[0]
+    return _pair_logps(policy, batch, mask, reference=reference, chunk_size=chunk_size, item=item,
+                       ref_logps=ref_logps, params=params)[0]
 
 
-def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: int, item, params: LossParams | None,
-                router_aux: bool = False) -> tuple[PairLogps, torch.Tensor | None]:
+def _pair_logps(policy, batch: Batch, mask, *, reference, chunk_size: int, item, ref_logps,
+                params: LossParams | None, router_aux: bool = False) -> tuple[PairLogps, torch.Tensor | None]:
     """`pair_logps`, and the policy's MoE load-balancing loss when `router_aux` (else None)."""
     params = params or LossParams()
     ld_alpha = params.ld_alpha
-    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-    policy_logps = compute_response_logps(policy, batch, backend=backend, chunk_size=chunk_size, attention_mask=mask,
-                                          wpo=params.use_weighting, router_aux=router_aux)
+    policy_logps = compute_response_logps(policy, batch, mask, chunk_size=chunk_size, wpo=params.use_weighting,
+                                          router_aux=router_aux)
     b, w = batch.pair_better, batch.pair_worse
     if ld_alpha is None:
-        if item is not None and "ref_logps" in item:
-            ref = item["ref_logps"].to(batch.input_ids.device)
-        else:
-            ref = reference.logps(policy, batch, mask, item)
+        ref = ref_logps.to(batch.input_ids.device) if ref_logps is not None else reference.sums(
+            policy, batch, mask, item)
         chosen, rejected = policy_logps.sums[b], policy_logps.sums[w]
         ref_chosen = ref_rejected = None
         if ref is not None:
@@ -84,9 +83,9 @@ def _pair_logps(policy, batch: Batch, *, reference, backend: str, chunk_size: in
     else:
         chosen, rejected = _ld(policy_logps, batch, ld_alpha)
         ref_chosen = ref_rejected = None
-        ref_logps = _reference_token_logps(reference, policy, batch, mask, item)
-        if ref_logps is not None:
-            ref_chosen, ref_rejected = (x.to(chosen.dtype) for x in _ld(ref_logps, batch, ld_alpha))
+        ref_tokens = reference.token_logps(policy, batch, mask)
+        if ref_tokens is not None:
+            ref_chosen, ref_rejected = (x.to(chosen.dtype) for x in _ld(ref_tokens, batch, ld_alpha))
     lengths = policy_logps.counts.to(policy_logps.sums.dtype)
     weights = None
     if params.use_weighting:
@@ -106,28 +105,16 @@ def _ld(logps: ResponseLogps, batch: Batch, alpha: float) -> tuple[torch.Tensor,
                          alpha)
 
 
-def _reference_token_logps(reference, policy, batch: Batch, mask, item) -> ResponseLogps | None:
-    """The reference's per-token log-probs for LD-DPO's split (no grad), or None without a reference."""
-    if reference.name == "none":
-        return None
-    if not hasattr(reference, "response_logps") or (item is not None and "ref_logps" in item):
-        raise LossConfigError(
-            "ld_alpha needs the reference's per-token log-probs, but precomputed reference tables hold "
-            "per-response sums: set precompute_ref_log_probs=False to use ld_alpha"
-        )
-    return reference.response_logps(policy, batch, mask)
-
-
-def pair_losses(policy, batch: Batch, *, reference, objective: Objective, backend: str, chunk_size: int = 1024,
-                item=None, context=None) -> PairStep:
-    """Per-pair losses [P] of one micro-batch.
+def pair_losses(policy, batch: Batch, mask, *, reference, objective: Objective, chunk_size: int = 1024,
+                item=None, ref_logps=None, context=None) -> PairStep:
+    """Per-pair losses [P] of one micro-batch (mask, item, ref_logps: see `pair_logps`).
 
     context: the optimizer step's context for losses coupled across pairs (sft, aot, bco_pair; see
              `prefixdpo.dpo.objective`), restricted to this micro-batch's pairs; or a function building it from
              this batch's PairLogps (evaluation); None when the batch is the whole step (the benchmark).
     """
-    pairs, aux_loss = _pair_logps(policy, batch, reference=reference, backend=backend, chunk_size=chunk_size,
-                                  item=item, params=objective.params,
+    pairs, aux_loss = _pair_logps(policy, batch, mask, reference=reference, chunk_size=chunk_size, item=item,
+                                  ref_logps=ref_logps, params=objective.params,
                                   router_aux=objective.router_aux_loss_coef != 0.0)
     if callable(context):
         context = context(pairs)

@@ -7,34 +7,66 @@ logging, engines, export). Here:
 
 - `compute_loss`: `step.pair_losses` (policy, reference strategy, losses) for the micro-batch, normalised
   by the pairs of the whole optimizer step; losses coupled across the step's pairs get the step's context;
-- the reference: one strategy (`reference.py`), prepared for the policy's engine, precomputed tables;
+- the reference: one strategy (`reference.py`, built by `build_reference`), asked only through its methods;
 - logging: TRL's metric names, reduced over ranks (`metrics.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from prefixdpo.core.attention.backends import build_attention_mask
 from prefixdpo.training.nonfinite import NonFiniteLossError
-from prefixdpo.dpo.tr_dpo import tr_dpo_callback
 from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
-from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
 from prefixdpo.core.forward import zero_weight_loss
 from prefixdpo.dpo.metrics import DPOMetricSums
-from prefixdpo.training.model_setup import prepare_policy, prepare_reference
-from prefixdpo.dpo.reference import PrecomputedReference, SeparateModelReference, choose_reference
+from prefixdpo.training.model_setup import prepare_policy
+from prefixdpo.dpo.reference import build_reference
+from prefixdpo.data.batch import Batch
+from prefixdpo.data.loader import MicroBatch
+from prefixdpo.dpo.objective import PairLogps
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
-from prefixdpo.dpo.step_context import StepContextBuilder
+from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.data.inputs import as_examples
 
 __all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One micro-batch as an optimizer step hands it to `compute_loss`: the loader's MicroBatch, unchanged, and
+    what the step worked out for it beside it.
+
+    micro:     the loader's `MicroBatch`
+    context:   its slice of the step context (losses coupled across the step's pairs), or None; in evaluation,
+               a function of the batch's PairLogps (`StepCoupling.for_evaluation`)
+    batch:     `micro.batch` on the device, and mask: its attention mask for the run's backend: built once (by
+               the pre-pass, or by `on_device` before the training pass) for every pass over the micro-batch
+    ref_logps: [R] the reference's log-prob sums the pre-pass read (run, or a precomputed table's rows), or None
+               (no pre-pass: the training pass asks the reference)
+    """
+
+    micro: MicroBatch
+    context: Any = None
+    batch: Batch | None = None
+    mask: Any = None
+    ref_logps: torch.Tensor | None = None
+
+    def on_device(self, device, backend: str) -> "StepInputs":
+        """This micro-batch with its Batch on `device` and its attention mask (kept if already built)."""
+        if self.batch is not None:
+            return self
+        batch = self.micro.batch.to(device)
+        return replace(self, batch=batch, mask=build_attention_mask(batch.doc_ids, batch.branch_ids, backend))
+
 
 class PrefixDPOTrainer(PrefixTrainerBase):
     """DPO-family preference training with prefix sharing; TRL `DPOTrainer`-shaped constructor.
@@ -63,31 +95,22 @@ class PrefixDPOTrainer(PrefixTrainerBase):
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._init_run_state()
-        ref_model = prepare_reference(ref_model, args, backend=self.backend, policy_dtype=self.model.dtype)
-        self.reference = choose_reference(
-            needs_reference=args.needs_reference, precompute=args.precompute_ref_log_probs, ref_model=ref_model,
-            policy=self.model, chunk_size=args.logprob_chunk_size, backend=self.backend,
-            cache_dir=args.resolved_ref_cache_dir(),
-            batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
-            pad_token_id=self.pad_token_id, device=self.accelerator.device,
-        )
-        if isinstance(self.reference, SeparateModelReference):  # sharded / offloaded as the policy's engine needs
-            self.reference.model = prepare_reference_for_engine(self.reference.model, self.accelerator)
-        sync = tr_dpo_callback(args, self.reference, self.model)  # TR-DPO; refuses PEFT/precomputed as TRL 1.16
-        if sync is not None:
-            self.add_callback(sync)
+        self.reference = build_reference(args, policy=self.model, ref_model=ref_model, backend=self.backend,
+                                         pad_token_id=self.pad_token_id, accelerator=self.accelerator)
+        for callback in self.reference.callbacks:  # TR-DPO's sync, when asked for
+            self.add_callback(callback)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
                                    resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
-        self.step_context = StepContextBuilder(self.objective, self.accelerator)
-        if isinstance(self.reference, PrecomputedReference):  # every table before training, as TRL does
-            evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
-            named = [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
-            for name, examples in named:
-                if examples is not None:
-                    self.reference.table_for(examples, self.model, name)
+        self.coupling = StepCoupling(self.objective, self.accelerator)
+        self.reference.precompute_tables(self._named_datasets(), self.model)  # before training, as TRL does
 
     def _as_examples(self, data, tokenizer, name: str):
         return as_examples(data, tokenizer, self._data_options, name, self.data_reports)
+
+    def _named_datasets(self) -> list:
+        """[(name, examples or None)]: train, then each eval set ("eval", or "eval_<key>" of a dict)."""
+        evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
+        return [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
 
     def _new_metric_sums(self) -> DPOMetricSums:
         return DPOMetricSums()
@@ -95,59 +118,77 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     @property
     def ref_model(self):
         """The separate reference model run every step, as TRL's attribute (None for other strategies)."""
-        return getattr(self.reference, "model", None)
+        return self.reference.model
 
     # ---- data -------------------------------------------------------------------------------
 
     def _reference_table(self, examples, name: str):
-        if isinstance(self.reference, PrecomputedReference):
-            return self.reference.table_for(examples, self.model, name)
-        return None
+        return self.reference.table_for(examples, self.model, name)
+
+    def _micro_batch(self, inputs: StepInputs) -> MicroBatch:
+        return inputs.micro
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # All micro-batches of one optimizer step are in hand here: losses coupled across the step's pairs
         # (sft, aot, bco_pair) get their step-wide context before the first forward.
-        samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.step_context.attach(samples, self._prepass)
-        return samples, None
+        micro_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        return self._in_step(micro_batches), None
 
-    def _prepass(self, item):
-        """No-grad per-pair log-probs of one micro-batch, for the step context. The reference's sums are kept
-        in the item, so the training pass does not run the reference again (LD-DPO needs its tokens: rerun)."""
-        batch = item["batch"].to(self.args.device)
+    def _in_step(self, micro_batches: list[MicroBatch]) -> list[StepInputs]:
+        """Each micro-batch of an optimizer step with what the step works out for it: its slice of the step
+        context and, where the coupled losses need every pair's log-probs first, the pre-pass's results."""
+        steps = [StepInputs(micro) for micro in micro_batches]
+        if not self.coupling.enabled:
+            return steps
+        pairs = [None] * len(steps)
+        if self.coupling.needs_pairs:
+            for i, micro in enumerate(micro_batches):
+                if micro.batch.num_pairs:
+                    steps[i], pairs[i] = self._prepass(micro)
+        contexts = self.coupling.contexts(micro_batches, pairs)
+        return [replace(step, context=context) for step, context in zip(steps, contexts)]
+
+    def _prepass(self, micro: MicroBatch) -> tuple[StepInputs, PairLogps]:
+        """No-grad per-pair log-probs of one micro-batch, for the step context. Its batch on the device, its mask
+        and the reference's sums are kept beside the micro-batch, so the training pass builds no second mask and
+        runs no second reference pass (LD-DPO needs the reference's tokens: it reruns the reference)."""
+        step = StepInputs(micro).on_device(self.args.device, self.backend)
         with torch.no_grad():
-            if "ref_logps" not in item and self.objective.params.ld_alpha is None:
-                ref = self.reference.logps(self.model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
-                                                                                   self.backend), item)
-                if ref is not None:
-                    item["ref_logps"] = ref
-            return pair_logps(self.model, batch, reference=self.reference, backend=self.backend,
-                              chunk_size=self.args.logprob_chunk_size, item=item, params=self.objective.params)
+            if self.objective.params.ld_alpha is None:
+                step = replace(step, ref_logps=self.reference.sums(self.model, step.batch, step.mask, micro))
+            pairs = pair_logps(self.model, step.batch, step.mask, reference=self.reference,
+                               chunk_size=self.args.logprob_chunk_size, item=micro, ref_logps=step.ref_logps,
+                               params=self.objective.params)
+        return step, pairs
 
     # ---- loss -------------------------------------------------------------------------------
 
-    def _pair_step(self, model, inputs: dict, split: str):
-        """The micro-batch's PairStep (None for a zero-weight batch); adds its metric sums to `split`."""
-        batch = inputs["batch"].to(self.args.device)
+    def _pair_step(self, model, inputs: StepInputs | MicroBatch, split: str):
+        """(the micro-batch's PairStep, None for a zero-weight batch; its StepInputs on the device); adds its metric
+        sums to `split`. Training passes StepInputs (`get_batch_samples`), evaluation the loader's MicroBatch."""
+        if split == "train":
+            step = inputs
+        else:
+            step = StepInputs(inputs, context=self.coupling.for_evaluation if self.coupling.enabled else None)
+        step = step.on_device(self.args.device, self.backend)
+        batch = step.batch
         if batch.num_pairs == 0:
-            return None, batch
-        context = inputs.get("step_context") if split == "train" else (
-            self.step_context.for_evaluation if self.step_context.enabled else None)
-        result = pair_losses(model, batch, reference=self.reference, objective=self.objective, backend=self.backend,
-                             chunk_size=self.args.logprob_chunk_size, item=inputs, context=context)
+            return None, step
+        result = pair_losses(model, batch, step.mask, reference=self.reference, objective=self.objective,
+                             chunk_size=self.args.logprob_chunk_size, item=step.micro, ref_logps=step.ref_logps,
+                             context=step.context)
         stats = result.metric_sums(self.args.beta)
         loss_sum = result.losses.detach().sum().item()
         if result.aux_loss is not None:  # TRL's logged loss includes the weighted aux loss
             loss_sum += self.objective.router_aux_loss_coef * float(result.aux_loss.detach()) * batch.num_pairs
-        stats.update(pairs=batch.num_pairs, loss_sum=loss_sum,
-                     **{k: inputs[k] for k in ("real_tokens", "slots", "shared_tokens", "unshared_tokens")})
+        stats.update(pairs=batch.num_pairs, loss_sum=loss_sum, **step.micro.token_counts())
         self._metrics[split].add(stats)
-        return result, batch
+        return result, step
 
     def _compute_loss(self, model, inputs, return_outputs):
-        result, batch = self._pair_step(model, inputs, "train")
+        result, step = self._pair_step(model, inputs, "train")
         if result is None:  # a rank-balancing empty slot
-            loss = zero_weight_loss(model, batch, self.backend)
+            loss = zero_weight_loss(model, step.batch, step.mask)
         else:
             # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
             # ranks of (pair losses / all pairs of the step)
@@ -161,7 +202,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     # ---- resume -----------------------------------------------------------------------------
 
     def _checkpoint_state(self) -> dict:
-        return self.step_context.state_dict()  # e.g. BCO's running mean
+        return self.coupling.state_dict()  # e.g. BCO's running mean
 
     def _restore_checkpoint_state(self, state: dict) -> None:
-        self.step_context.load_state_dict(state)
+        self.coupling.load_state_dict(state)

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-
-import torch
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.validation import WRONG_TYPE, InvalidRecordError
 from prefixdpo.data.inputs import as_examples
-
-MARGIN = "margin"
+from prefixdpo.data.loader import MARGIN
 
 
 def _margin(index: int, value) -> float:
@@ -68,12 +64,3 @@ def reward_examples(data, tokenizer, options, name: str, reports: dict) -> list[
     """`data` as Examples with margins (None stays None; Examples are used as they are, `meta["margin"]`
     if set); the data report goes to `reports[name]`."""
     return as_examples(data, tokenizer, options, name, reports, prepare=_examples_with_margins)
-
-
-def pair_margins(examples: Sequence[Example], example_ids: torch.Tensor) -> torch.Tensor | None:
-    """Margins [P] of a micro-batch's pairs (in batch order: example by example, each example's pairs in
-    order), or None when none of its examples has a margin (TRL's loss without the term)."""
-    chosen = [examples[e] for e in example_ids.tolist()]
-    if not any(MARGIN in ex.meta for ex in chosen):
-        return None
-    return torch.tensor([ex.meta.get(MARGIN, 0.0) for ex in chosen for _ in ex.pairs], dtype=torch.float32)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.forward import decoder_output, through_engine
@@ -41,29 +40,6 @@ def score_head(model) -> torch.nn.Module:
     return head
 
 
-def response_segments(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each response lives: (line [R], document [R], branch [R]) of its tokens.
-
-    A response's first target is predicted from its prompt's last position, which is in the same line and
-    document. Responses are numbered document by document in order, and a document's responses have
-    branches 1, 2, ... in that order (a standard `[prompt][response]` row is a document of its own with
-    branch 1), so a response's branch is its rank among the responses of its (line, document).
-    """
-    R, device = batch.num_responses, batch.input_ids.device
-    T = batch.target_response.numel()
-    first_target = torch.full((R,), T, dtype=torch.long, device=device).scatter_reduce(
-        0, batch.target_response, torch.arange(T, device=device), reduce="amin")
-    line = batch.target_line[first_target]
-    doc = batch.doc_ids[line, batch.target_col[first_target]]
-    key = line * batch.input_ids.shape[1] + doc  # (line, document) as one number
-    # responses of one document are consecutive: a new (line, document) starts a new branch count
-    starts = torch.ones(R, dtype=torch.bool, device=device)
-    starts[1:] = key[1:] != key[:-1]
-    start_index = torch.cummax(torch.where(starts, torch.arange(R, device=device), 0), dim=0).values
-    branch = torch.arange(R, device=device) - start_index + 1
-    return line, doc, branch
-
-
 def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(line [R], column [R]) of the token whose hidden state scores each response (module docstring).
 
@@ -71,7 +47,7 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
     its own branch. -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
     document's first token.
     """
-    line, doc, branch = response_segments(batch)
+    line, doc, branch = batch.response_line, batch.response_doc, batch.response_branch
     ids, docs, branches = batch.input_ids[line], batch.doc_ids[line], batch.branch_ids[line]  # [R, L]
     own = (docs == doc[:, None]) & ((branches == 0) | (branches == branch[:, None]))
     kept = own if pad_token_id is None else own & (ids != pad_token_id)
@@ -81,10 +57,11 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
     return line, torch.where(last >= 0, last, first)
 
 
-def compute_response_scores(model, batch: Batch, *, backend: str = "auto", attention_mask=None) -> torch.Tensor:
+def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor:
     """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
 
-    A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
+    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once by the
+    caller. A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
     its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
     """
     cfg = text_config(base_model(model))
@@ -94,10 +71,6 @@ def compute_response_scores(model, batch: Batch, *, backend: str = "auto", atten
             "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
             "does from the tokenizer's pad token): it marks where each sequence ends")
     check_sequences_fit_window(model, batch)
-    device = batch.input_ids.device
-    backend = resolve_backend(backend, device, needs_grad=torch.is_grad_enabled())
-    if attention_mask is None:
-        attention_mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
     empty = batch.num_responses == 0
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
 

@@ -13,33 +13,17 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 
 from __future__ import annotations
 
-import torch
-
-from prefixdpo.data.loader import MicroBatches
+from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.data.loader import MicroBatch
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
-from prefixdpo.reward.data import pair_margins, reward_examples
+from prefixdpo.reward.data import reward_examples
 from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_reward_losses
 from prefixdpo.reward.model import prepare_reward_model
 from prefixdpo.reward.scores import compute_response_scores
 from prefixdpo.training.base import PrefixTrainerBase
 
 __all__ = ["PrefixRewardTrainer"]
-
-
-class _WithMargins(torch.utils.data.Dataset):
-    """A `MicroBatches` whose items also carry `margins` ([P] or None) of their pairs."""
-
-    def __init__(self, micro: MicroBatches):
-        self.micro = micro
-
-    def __len__(self) -> int:
-        return len(self.micro)
-
-    def __getitem__(self, m: int) -> dict:
-        item = self.micro[m]
-        item["margins"] = pair_margins(self.micro.examples, item["example_ids"])
-        return item
 
 
 class PrefixRewardTrainer(PrefixTrainerBase):
@@ -72,25 +56,22 @@ class PrefixRewardTrainer(PrefixTrainerBase):
     def _new_metric_sums(self) -> RewardMetricSums:
         return RewardMetricSums()
 
-    def _item_view(self, micro: MicroBatches):
-        return _WithMargins(micro)
-
     # ---- loss -------------------------------------------------------------------------------
 
-    def _pair_step(self, model, inputs: dict, split: str):
+    def _pair_step(self, model, inputs: MicroBatch, split: str):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
-        batch = inputs["batch"].to(self.args.device)
-        scores = compute_response_scores(model, batch, backend=self.backend)
+        batch = inputs.batch.to(self.args.device)
+        scores = compute_response_scores(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
+                                                                            self.backend))
         if batch.num_pairs == 0:
             return None, scores
-        margins = inputs.get("margins")
+        margins = inputs.margins
         losses = pair_reward_losses(scores, batch.pair_better, batch.pair_worse,
                                     None if margins is None else margins.to(scores.device),
                                     self.args.center_rewards_coefficient)
         stats = pair_metric_values(scores, batch.pair_better, batch.pair_worse)
-        stats.update(pairs=batch.num_pairs, loss_sum=losses.detach().sum().item(),
-                     **{k: inputs[k] for k in ("real_tokens", "slots", "shared_tokens", "unshared_tokens")})
+        stats.update(pairs=batch.num_pairs, loss_sum=losses.detach().sum().item(), **inputs.token_counts())
         self._metrics[split].add(stats)
         return losses, scores
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import prepare_model, text_config
@@ -44,11 +45,13 @@ def compare_scores(model, examples: list[Example], *, packs=None, backend: str =
         batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
     batch = batch.to(device)
     with_grad = not (backend == "flex" and device.type == "cpu")
+    backend = resolve_backend(backend, device, needs_grad=with_grad)
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(with_grad):
         reference = separate_pass_scores(model, examples)
         prepare_model(model, backend)
-        ours = compute_response_scores(model, batch, backend=backend)
+        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        ours = compute_response_scores(model, batch, mask)
     result = VerifyResult(case=case, logp_diff=(ours - reference).detach().abs().max().item(),
                           logp_scale=reference.detach().abs().max().item(), grad_diff=None, grad_scale=None)
     if with_grad:

@@ -17,14 +17,17 @@
 - non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
   which stops or skips a step that is not finite on some rank before it is applied (`nonfinite`).
 
+Each loader item is a `data.loader.MicroBatch`, never changed once built: Trainer hands it to `compute_loss` as
+it is (`_prepare_inputs`), or, where a method works something out per optimizer step, wrapped in that method's
+per-step object (`_micro_batch` reads the MicroBatch back out of it).
+
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
-sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_item_view`, and its
+sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_micro_batch`, and its
 per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -38,7 +41,7 @@ from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.attention.backends import resolve_backend
-from prefixdpo.data.loader import LoaderSettings, MicroBatches, make_dataloader
+from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
 from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
 from prefixdpo.errors import TrainingPreempted, UserError
 from prefixdpo.core.model_checks import restore_stock_attention, unwrap
@@ -84,7 +87,8 @@ class PrefixTrainerBase(Trainer):
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
         self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
         drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it (`callbacks.py`)
-        self.add_callback(RunCallback(self))
+        self.run_callback = RunCallback(self)
+        self.add_callback(self.run_callback)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -107,10 +111,6 @@ class PrefixTrainerBase(Trainer):
         """Precomputed per-response reference sums for `examples`, or None (no precomputed reference)."""
         return None
 
-    def _item_view(self, micro: MicroBatches):
-        """The dataset the loader reads: `micro`, or a view adding fields to each item."""
-        return micro
-
     def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
         return MicroBatches(examples, self._loader_settings(train=train), rank=self.args.process_index,
                             world_size=self.args.world_size, ref_table=self._reference_table(examples, name))
@@ -120,7 +120,7 @@ class PrefixTrainerBase(Trainer):
             raise UserError(f"{type(self).__name__}: training needs a train_dataset")
         self._train_micro = self._micro_batches(self.train_dataset, train=True)
         pin = self.args.dataloader_pin_memory and torch.cuda.is_available()  # pinning needs an accelerator
-        return make_dataloader(self._item_view(self._train_micro), self.args.dataloader_num_workers, pin)
+        return make_dataloader(self._train_micro, self.args.dataloader_num_workers, pin)
 
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is None and self.eval_dataset is None:
@@ -132,9 +132,22 @@ class PrefixTrainerBase(Trainer):
             examples = self._as_examples(eval_dataset, self.processing_class, "eval")
         else:
             examples = self.eval_dataset
-        return make_dataloader(self._item_view(self._micro_batches(examples, train=False, name=name)))
+        return make_dataloader(self._micro_batches(examples, train=False, name=name))
 
     # ---- one step ---------------------------------------------------------------------------
+
+    def _micro_batch(self, inputs) -> MicroBatch:
+        """The loader's MicroBatch in what `compute_loss` receives (the MicroBatch itself, unless a subclass's
+        `get_batch_samples` wraps it in a per-step object)."""
+        return inputs
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # Trainer would count `labels` to scale the loss; ours is already scaled by the step's pairs (`_step_share`)
+        return None
+
+    def _prepare_inputs(self, inputs):
+        # Trainer's moves dicts and tensors to the device; a micro-batch moves its Batch itself, in the pass
+        return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         with self._offload:  # activation_offloading (TRL's context; a no-op when off)
@@ -147,7 +160,7 @@ class PrefixTrainerBase(Trainer):
 
     def _step_share(self, inputs) -> float:
         """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring)."""
-        return self.accelerator.num_processes / max(int(inputs["step_pairs"]), 1)
+        return self.accelerator.num_processes / max(self._micro_batch(inputs).step_pairs, 1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -197,9 +210,17 @@ class PrefixTrainerBase(Trainer):
 
     def floating_point_ops(self, inputs) -> int:
         # 6 x parameters x real tokens (forward + backward), the usual estimate
-        if not isinstance(inputs, Mapping):
-            return 0
-        return 6 * sum(p.numel() for p in unwrap(self.model).parameters()) * int(inputs.get("real_tokens", 0))
+        return 6 * sum(p.numel() for p in unwrap(self.model).parameters()) * self._micro_batch(inputs).real_tokens
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """`include_num_input_tokens_seen`: every token slot of the lines ("all") or the real tokens
+        ("non_padding"), summed over ranks (Trainer's own looks for `input_ids` in a dict)."""
+        how = self.args.include_num_input_tokens_seen
+        if how == "no":
+            return
+        micro = self._micro_batch(inputs)
+        tokens = torch.tensor(micro.slots if how == "all" else micro.real_tokens, device=self.args.device)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item())
 
     # ---- train / save -----------------------------------------------------------------------
 
@@ -268,7 +289,10 @@ class PrefixTrainerBase(Trainer):
                                                            type(self).__name__)
         resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
         self.preempted_at = None
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
+            self.run_callback.signals.restore()
         if self.preempted_at is not None:
             folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
             if not os.path.isdir(folder):  # the signal came after the last step's check: save now

@@ -66,7 +66,7 @@ def model_fingerprint(model) -> str:
     """sha256 of the model's config, its parameter names, shapes and dtypes, and a sample of each tensor's
     values; LoRA parameters are left out (a resumed run restores them from the checkpoint)."""
     from prefixdpo.core.model_checks import unwrap
-    from prefixdpo.dpo.reference import config_fingerprint
+    from prefixdpo.core.fingerprints import config_fingerprint
 
     h = hashlib.sha256(config_fingerprint(model).encode())
     inner = unwrap(model)
@@ -88,7 +88,7 @@ def trajectory_options(args) -> dict:
 
 def run_fingerprint(model, examples, args, method: str) -> dict:
     """What identifies a run: {'method', 'model', 'data', 'options'} (see the module docstring)."""
-    from prefixdpo.dpo.reference import data_fingerprint
+    from prefixdpo.core.fingerprints import data_fingerprint
 
     return {"method": method, "model": model_fingerprint(model), "data": data_fingerprint(examples),
             "options": trajectory_options(args)}

@@ -6,8 +6,16 @@ from __future__ import annotations
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.core.model_checks import prepare_model
-from prefixdpo.dpo.reference import is_peft_model
+from prefixdpo.core.model_checks import prepare_model, unwrap
+
+
+def is_peft_model(model) -> bool:
+    """Whether `model` (or the model an engine wraps) is a `peft.PeftModel`."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(unwrap(model), PeftModel)
 
 
 def disable_dropout(model) -> None:
@@ -79,7 +87,8 @@ def ignore_bool_buffers_in_ddp(model) -> list[str]:
 
 def prepare_reference(ref_model, args, *, backend: str, policy_dtype=torch.float32):
     """A separate reference model (or name/path, loaded in the policy's dtype as TRL does) ready for no-grad
-    passes with the policy's mask; None stays None."""
+    passes with the policy's mask; None stays None. Called by `dpo.reference.build_reference`, which decides
+    what the reference is."""
     if ref_model is None:
         return None
     if isinstance(ref_model, str):

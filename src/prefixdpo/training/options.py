@@ -147,12 +147,8 @@ def resolve_before_trainer_args(args) -> None:
     join_cpu_processes(args)
 
 
-def check_shared_options(args) -> None:
-    """The shared options' checks, after `TrainingArguments.__post_init__`: one-line `ConfigError`s."""
-    args.pad_to_multiple_of = pad_multiple(args.pad_to_multiple_of, args.use_cpu)
-    if args.model_init_kwargs is not None and not isinstance(args.model_init_kwargs, dict):
-        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r}: expected a JSON object, e.g. "
-                          '\'{"dtype": "bfloat16"}\'')
+def check_attention_and_pack_length(args) -> None:
+    """`attention` one of ours and `pack_length` "auto" or a positive int (set to the int), else a `ConfigError`."""
     if args.attention not in BACKENDS:
         raise ConfigError(f"attention={args.attention!r}: choose one of {', '.join(BACKENDS)}")
     if str(args.pack_length) != "auto":
@@ -162,6 +158,16 @@ def check_shared_options(args) -> None:
             raise ConfigError(f"pack_length={args.pack_length!r}: expected 'auto' or a positive integer") from None
         if args.pack_length <= 0:
             raise ConfigError(f"pack_length={args.pack_length}: must be positive")
+
+
+def check_shared_options(args) -> None:
+    """The shared options' checks, after `TrainingArguments.__post_init__`: one-line `ConfigError`s."""
+    args.pad_to_multiple_of = pad_multiple(args.pad_to_multiple_of, args.use_cpu)
+    if args.model_init_kwargs is not None and not isinstance(args.model_init_kwargs, dict):
+        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r}: expected a JSON object, e.g. "
+                          '\'{"dtype": "bfloat16"}\'')
+    check_attention_and_pack_length(args)
+    if str(args.pack_length) != "auto":
         if not args.packing:
             raise ConfigError(f"pack_length={args.pack_length} has no effect without packing: add --packing true, "
                               "or leave pack_length out")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -76,6 +77,10 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
+# Passes that are not prefixdpo's (`generate` on left-padded prompts, as GRPO samples) hand the model a 2D padding
+# mask: transformers turns it into the SDPA mask our attention then runs, instead of dropping it (a name without a
+# mask function gets none, and left padding would be attended).
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: bool = True) -> str:

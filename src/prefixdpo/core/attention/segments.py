@@ -25,12 +25,18 @@ import torch
 @dataclass
 class SegmentGroup:
     """S segments padded to Lq queries and Lk keys; `mask` [S, 1, Lq, Lk] bool, True = may attend
-    (padded queries attend key 0 so no softmax row is empty)."""
+    (padded queries attend key 0 so no softmax row is empty).
+
+    causal: every segment has as many queries as keys (prompt + first response), so each real query's keys are
+    exactly a top-left causal pattern and SDPA runs with `is_causal=True` instead of the mask: measured on CPU
+    (torch 2.13, 1 thread), its kernel takes about twice as long with a boolean mask as causally without one.
+    Padded queries then see other keys than the mask says, but their outputs are never read (zero gradient)."""
 
     num_segments: int
     num_queries: int
     num_keys: int
     mask: torch.Tensor
+    causal: bool = False
 
 
 @dataclass
@@ -143,7 +149,8 @@ def build_segment_plan(
             kj = torch.arange(nk)[None, :]
             mask[s, 0, :nq, :nk] = kj <= qi + (nk - nq)
             mask[s, 0, nq:, 0] = True
-        groups.append(SegmentGroup(len(members), Lq, Lk, mask.to(doc_ids.device)))
+        square = all(len(segs[i][0]) == len(segs[i][1]) for i in members)
+        groups.append(SegmentGroup(len(members), Lq, Lk, mask.to(doc_ids.device), causal=square))
     zero_row = len(q_index)
     out_index = [zero_row if i < 0 else i for i in out_index]
 
@@ -180,7 +187,8 @@ def segmented_attention(
         k = k.view(S, Lk, Hkv, D).transpose(1, 2)
         v = v.view(S, Lk, Hkv, Dv).transpose(1, 2)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=g.mask, dropout_p=dropout, scale=scaling, enable_gqa=Hkv != H,
+            q, k, v, attn_mask=None if g.causal else g.mask, dropout_p=dropout, is_causal=g.causal, scale=scaling,
+            enable_gqa=Hkv != H,
         )  # [S, H, Lq, Dv]
         outs.append(o.transpose(1, 2).reshape(S * Lq, H, Dv))
     outs.append(q_all.new_zeros(1, H, Dv))  # the row padding tokens read

@@ -1,0 +1,180 @@
+"""Per-token log-probs (and entropies, and the MoE load-balancing loss) of TRL's rows from prefix-shared lines.
+
+The lines (`layout.GroupLines`) run through the engine-wrapped model (`through_engine`: DDP, FSDP2,
+DeepSpeed and PEFT see one ordinary forward call); inside that forward the decoder's final hidden states
+are taken at the slots that predict a scored token only, and TRL's own fused LM-head kernel
+(`trl.kernels.ChunkedLogProbFunction`, the one its `add_fused_lm_head` runs, with its temperature, logit
+scale, soft-cap and entropy, forward and backward) turns them into log-probs. The results are scattered
+back to TRL's `[rows, logits_to_keep]` layout, zero where TRL's are zero (masked columns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from prefixdpo.core.model_checks import base_model, text_config
+
+from prefixdpo.core.attention.backends import build_attention_mask
+
+from prefixdpo.core.forward import final_hidden_states, through_engine
+
+from prefixdpo.core.moe import recording_router_logits
+from prefixdpo.grpo.layout import GroupLines, aux_token_weights, line_chunks
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """The constants TRL 1.16's `add_fused_lm_head` closes over for a model (read from its source: the same
+    lookups, in the same order). temperature: TRL's sampling temperature, which divides the logits."""
+
+    temperature: float
+    cast_to_fp32: bool
+    final_logit_softcapping: float | None
+    logit_scale: float
+
+
+def trl_head_settings(model, temperature: float, cast_lm_head_to_fp32: bool = False) -> HeadSettings:
+    """`HeadSettings` of `model` (any wrapper: the text config of the transformers model inside)."""
+    cfg = text_config(base_model(model))
+    scale = getattr(cfg, "logit_scale", None)
+    if scale is None:
+        scale = getattr(cfg, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(cfg, "lm_head_multiplier", None)
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1 / cfg.logits_scaling
+    return HeadSettings(
+        temperature=float(temperature),
+        cast_to_fp32=bool(cast_lm_head_to_fp32),
+        final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None),
+        logit_scale=1.0 if scale is None else scale,
+    )
+
+
+def trl_head(hf, hidden: torch.Tensor, targets: torch.Tensor, settings: HeadSettings,
+             entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's fused LM head on the given positions only: (log p(target) [T] fp32, entropy [T] fp32 or None).
+
+    hf: the model whose output embeddings are the head (called inside the engine-wrapped forward, where a
+    sharded engine has gathered them); hidden: [T, D]; targets: [T] long.
+    """
+    from torch.distributed.tensor import DTensor
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, maybe_gather_lm_head_ctx
+
+    lm_head = hf.get_output_embeddings()
+    weight, bias = lm_head.weight, lm_head.bias
+    hidden = hidden.to(weight.device)
+    autocast = contextlib.nullcontext()
+    if settings.cast_to_fp32:
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
+    if isinstance(weight, DTensor):  # as TRL: an FSDP2 head kept sharded outside its own forward
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    outputs = ("log_probs", "entropy") if entropy else ("log_probs",)
+    with autocast, maybe_gather_lm_head_ctx(weight, bias):
+        logps, ent, *_ = ChunkedLogProbFunction.apply(
+            hidden, weight, bias, targets, settings.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE,
+            settings.final_logit_softcapping, settings.logit_scale, outputs,
+        )
+    return logps, ent
+
+
+def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, settings: HeadSettings, entropy: bool,
+                aux: bool):
+    """The forward of the chunk of lines from `first_line` on (whose scored tokens are `targets`), run inside
+    `through_engine`. Returns a dict of tensors: logps [t], entropy [t] (if asked), router_logits
+    [layers, lines x slots, experts] (if aux)."""
+    hf = base_model(model)
+
+    def body(inner_forward, **inputs) -> dict:
+        with recording_router_logits(model) if aux else contextlib.nullcontext() as router:
+            hidden, last_logits = final_hidden_states(model, inner_forward, **inputs)
+        predictors = hidden[lines.target_line[targets] - first_line, lines.target_col[targets]]
+        logps, ent = trl_head(hf, predictors, lines.target_ids[targets], settings, entropy)
+        if last_logits is not None and last_logits.requires_grad:
+            # A path of exactly zero from the model's own head call to the result: FSDP2 crashes in backward
+            # when an output of a sharded module reaches no loss, and a pass with no scored token (every
+            # completion masked) still has a graph to run backward through, as TRL's has.
+            logps = logps + last_logits.sum() * 0.0
+        out = {"logps": logps}
+        if ent is not None:
+            out["entropy"] = ent
+        if aux:
+            out["router_logits"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in router])
+        return out
+
+    return body
+
+
+def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str):
+    """The attention mask of lines [start, end) for `backend`, built once per layout (`GroupLines.masks`)."""
+    key = (start, end, backend)
+    if key not in lines.masks:
+        lines.masks[key] = build_attention_mask(lines.doc_ids[start:end], lines.branch_ids[start:end], backend)
+    return lines.masks[key]
+
+
+def _chunk_targets(lines: GroupLines, start: int, end: int) -> slice:
+    """The targets predicted from lines [start, end) (targets are in line order)."""
+    lo = int(torch.searchsorted(lines.target_line, torch.tensor(start, device=lines.target_line.device)))
+    hi = int(torch.searchsorted(lines.target_line, torch.tensor(end, device=lines.target_line.device)))
+    return slice(lo, hi)
+
+
+def group_logps(
+    model,
+    lines: GroupLines,
+    settings: HeadSettings,
+    *,
+    backend: str,
+    max_slots: int,
+    compute_entropy: bool = False,
+    aux_row_chunks: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """TRL's `(per-token log-probs [N, K], entropies [N, K] or None, MoE aux loss or None)` from the lines.
+
+    backend: a resolved attention backend; max_slots: line slots per forward (`line_chunks`).
+    aux_row_chunks: TRL's forwards as row-index tensors, when the load-balancing loss is asked for: TRL
+    averages it over its forwards, each over its own rows' real tokens (`aux_token_weights`).
+    """
+    aux = aux_row_chunks is not None
+    logps, entropies, router = [], [], []
+    for start, end in line_chunks(lines, max_slots):
+        targets = _chunk_targets(lines, start, end)
+        inputs = {"input_ids": lines.input_ids[start:end], "position_ids": lines.position_ids[start:end],
+                  "attention_mask": _chunk_mask(lines, start, end, backend)}
+        out = through_engine(model, _lines_body(model, lines, start, targets, settings, compute_entropy, aux), **inputs)
+        logps.append(out["logps"])
+        if compute_entropy:
+            entropies.append(out["entropy"])
+        if aux:
+            router.append(out["router_logits"])
+
+    def scatter(values: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(values)
+        grid = flat.new_zeros(lines.num_rows, lines.logits_to_keep)
+        return grid.index_put((lines.out_row, lines.out_col), flat)
+
+    aux_loss = None
+    if aux:
+        aux_loss = _load_balancing_loss(model, torch.cat(router, dim=1), lines, aux_row_chunks)
+    return scatter(logps), (scatter(entropies) if compute_entropy else None), aux_loss
+
+
+def _load_balancing_loss(model, router_logits: torch.Tensor, lines: GroupLines,
+                         row_chunks: list[torch.Tensor]) -> torch.Tensor:
+    """TRL's MoE aux loss: the mean over its forwards of transformers' (Mixtral) `load_balancing_loss_func`
+    over that forward's real tokens. router_logits: [layers, B*S, experts] in line-slot order."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg = text_config(base_model(model))
+    layers = tuple(router_logits.unbind(0))
+    losses = [load_balancing_loss_func(layers, cfg.num_experts, cfg.num_experts_per_tok,
+                                       aux_token_weights(lines, rows).reshape(1, -1))
+              for rows in row_chunks]
+    return torch.stack(losses).mean()

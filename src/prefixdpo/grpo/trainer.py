@@ -1,0 +1,202 @@
+"""`PrefixGRPOTrainer` / `PrefixRLOOTrainer`: TRL 1.16's `GRPOTrainer` / `RLOOTrainer` whose per-token log-prob
+passes run on prefix-shared rows.
+
+Everything else is TRL's own code: generation, reward functions and models, advantages, every loss type,
+clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Only the one method
+through which TRL computes *every* log-prob pass is replaced, `_get_per_token_logps_and_entropies`:
+
+- It is the narrowest point that sees all three passes (the policy with gradient in `_compute_loss`, the
+  old policy and the reference in `_generate_and_score_completions`), in both trainers, with one contract:
+  rows ``[left-padded prompt][right-padded completion]`` in, ``([rows, logits_to_keep] log-probs,
+  entropies or None, MoE aux loss or None)`` out, zero at masked columns. That contract is what TRL's own
+  loss code reads, so it cannot change without TRL changing its callers in the same release; the method
+  has kept its name and shape through TRL 1.x, and the signature here accepts every argument TRL 1.16
+  passes (keyword or positional).
+- The rows are grouped by their prompt tokens (TRL shuffles rows between generation and training, so row
+  order says nothing), each group runs as one prefix-shared row, groups are packed into lines
+  (`layout.py`), and the results are scattered back to TRL's tensors (`logps.py`).
+- A pass prefix sharing cannot reproduce exactly (images and other multimodal inputs, token type ids, a
+  completion mask with a gap, a sliding window shorter than the rows, a model not running prefixdpo's
+  attention) runs TRL's own method instead, and the first time each reason occurs it is logged once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from trl import GRPOTrainer, RLOOTrainer
+from transformers.trainer_utils import get_last_checkpoint
+from trl.extras.profiling import profiling_decorator
+
+from prefixdpo.errors import UserError
+from prefixdpo.grpo.config import GroupLayoutOptions
+from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
+from prefixdpo.core.model_checks import (
+    base_model, prepare_model, restore_stock_attention, sliding_window_of, text_config,
+)
+from prefixdpo.core.engines import enable_requested_fsdp, whole_model_state_dict
+from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
+from prefixdpo.grpo.logps import group_logps, trl_head_settings
+
+logger = logging.getLogger(__name__)
+
+_OPTION_DEFAULTS = GroupLayoutOptions()  # for a plain TRL config: its options are ours at their defaults
+
+
+class PrefixSharedLogps:
+    """The log-prob passes of a TRL group trainer on prefix-shared rows (mixed in before the TRL class)."""
+
+    def _option(self, name: str):
+        return getattr(self.args, name, getattr(_OPTION_DEFAULTS, name))
+
+    def _cast_head_to_fp32(self) -> bool:
+        """Whether TRL's fused head runs in fp32 (GRPO's `cast_lm_head_to_fp32`; RLOO has no such option)."""
+        return bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+
+    def _setup_prefix_sharing(self) -> None:
+        """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
+        self._fallbacks_noted: set[str] = set()
+        # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
+        self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
+        if not self._option("prefix_sharing"):
+            return
+        backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                prepare_model(model, backend)
+
+    # ---- the pass -------------------------------------------------------------------------------
+
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's per-token log-probs [N, logits_to_keep] (and entropies, and the MoE aux loss, when asked) of the
+        rows ``input_ids`` / ``attention_mask`` [N, L], computed on prefix-shared lines (see the module doc)."""
+        if not self._option("prefix_sharing"):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
+        if reason is not None:
+            self._note_fallback(reason)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
+        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend)
+        N, L = input_ids.shape
+        rows_per_forward = batch_size or N
+        # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
+        aux_rows = ([torch.arange(s, min(s + rows_per_forward, N), device=input_ids.device)
+                     for s in range(0, N, rows_per_forward)] if compute_aux_loss else None)
+        settings = trl_head_settings(model, self.temperature, self._cast_head_to_fp32())
+        with self.accelerator.autocast():
+            result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
+                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows)
+        self._count_sharing(lines)
+        return result
+
+    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str) -> GroupLines:
+        """The lines of this pass; the previous pass's (and the masks built for them) when its rows are the same:
+        TRL runs the reference and old-policy passes on the same rows, and the policy pass on rows of equal
+        content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
+        model_type = getattr(text_config(base_model(model)), "model_type", "")
+        settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
+                    str(self._option("pack_length")), backend in ("flex", "varlen"))
+        cached = getattr(self, "_last_layout", None)
+        if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
+                and _same(cached[2], attention_mask)):
+            return cached[3]
+        lines = layout_groups(
+            input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
+            pack_length=self._option("pack_length"),
+            bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
+        )
+        self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
+        return lines
+
+    def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
+        """Why this pass must run TRL's own layout (None: prefix sharing reproduces it exactly)."""
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            return f"the rows come with {', '.join(given)}, which prefix sharing does not lay out"
+        if input_ids.shape[0] == 0:
+            return "the pass has no rows"
+        base = base_model(model)
+        if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
+            return (f"{type(base).__name__} does not run prefixdpo's attention (it was not passed in as the policy "
+                    "or the reference)")
+        window = sliding_window_of(base)
+        if window is not None and input_ids.shape[1] > window:
+            return f"rows of {input_ids.shape[1]} columns exceed the model's sliding window of {window}"
+        return why_not_shared(attention_mask, logits_to_keep)
+
+    def _note_fallback(self, reason: str) -> None:
+        if reason not in self._fallbacks_noted:
+            self._fallbacks_noted.add(reason)
+            logger.warning("prefix sharing: %s; such passes run TRL's own layout (said once)", reason)
+
+    # ---- what sharing saved -----------------------------------------------------------------------
+
+    def _count_sharing(self, lines: GroupLines) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._sharing_counts[mode] += torch.tensor(
+            [lines.num_real_tokens, lines.trl_tokens, lines.num_slots], dtype=torch.float64)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Every rank logs at the same steps (TRL's own metrics gather here too): a safe point to sum the counts.
+        if self._option("prefix_sharing"):
+            mode = "train" if self.model.training else "eval"
+            ours, trl, slots = self.accelerator.reduce(
+                self._sharing_counts[mode].to(self.accelerator.device), reduction="sum").tolist()
+            self._sharing_counts[mode].zero_()
+            if trl > 0:
+                # the real tokens TRL's rows hold vs those the shared lines run (all passes since the last log)
+                self._metrics[mode]["prefix_sharing/tokens_saved"].append(1.0 - ours / trl)
+                self._metrics[mode]["packing/efficiency"].append(ours / slots)
+        super().log(logs, start_time)
+
+    # ---- engines, resume, export ----------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """TRL's train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
+        if resume_from_checkpoint == "latest":
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(
+                self.args.output_dir) else None
+            if resume_from_checkpoint is None:
+                raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # an export is a whole model that stock `from_pretrained` loads (stock attention named in its config)
+        with contextlib.nullcontext() if _internal_call else whole_model_state_dict(self):
+            super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+
+
+class PrefixGRPOTrainer(PrefixSharedLogps, GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._setup_prefix_sharing()
+
+
+class PrefixRLOOTrainer(PrefixSharedLogps, RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._setup_prefix_sharing()

@@ -1,0 +1,151 @@
+"""`prefixdpo bench --task grpo`: rollouts shaped as TRL's, the FLOP model, the three modes on the same rollouts, and a
+tiny end-to-end run of the command. About 25 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prefixdpo.cli import main
+from prefixdpo.bench.grpo import (
+    MODES,
+    PROFILES,
+    GroupTrainingStep,
+    build_bench_trainer,
+    ideal_speedups,
+    run_profile,
+    synthetic_rollouts,
+    trl_rows_flops,
+    useful_flops,
+)
+from prefixdpo.bench.model import SHAPES, llama_config
+from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+from prefixdpo.bench.flops import forward_flops
+from prefixdpo.core.models import load_causal_lm
+
+SHAPE = SHAPES["quick"]
+TINY = PROFILES["math-like"].scaled(0.05)  # prompts 8-15 tokens (system 6), completions 15-40
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)  # tiny models; conftest restores the thread count
+
+
+def test_rollouts_are_trl_rows_of_whole_groups():
+    (rollout,) = synthetic_rollouts(TINY, 1, vocab_size=SHAPE.vocab, seed=3)
+    G, B = TINY.group_size, TINY.prompts_per_step
+    K = rollout.logits_to_keep
+    assert rollout.num_rows == G * B and K == TINY.completion_tokens[1]
+    assert (rollout.prompt_mask[:, 0] == 0).any() and (rollout.prompt_mask[:, -1] == 1).all()  # left-padded
+    lengths = rollout.completion_mask.sum(1)
+    ends = rollout.completion_ids[torch.arange(rollout.num_rows), lengths - 1] == 2
+    assert ends.any() and (~ends).any() and (lengths[~ends] == K).all()  # EOS, or cut at the maximum length
+    assert torch.equal(rollout.completion_mask, (torch.arange(K) < lengths[:, None]).long())
+    prompts = {tuple(p[m.bool()].tolist()) for p, m in zip(rollout.prompt_ids, rollout.prompt_mask)}
+    assert len(prompts) == B and [len(cs) for _, cs in rollout.groups] == [G] * B
+    system = TINY.system_tokens
+    assert len({p[:system] for p in prompts}) == 1  # one system prompt for all
+    assert sorted(lengths.tolist()) == sorted(c for _, cs in rollout.groups for c in cs)
+    again = synthetic_rollouts(TINY, 1, vocab_size=SHAPE.vocab, seed=3)[0]
+    assert torch.equal(again.completion_ids, rollout.completion_ids)  # seeded
+
+
+def test_flop_model():
+    rollouts = synthetic_rollouts(TINY, 2, vocab_size=SHAPE.vocab)
+    r = rollouts[0]
+    N, L = r.num_rows, r.prompt_ids.shape[1] + r.logits_to_keep
+    assert trl_rows_flops(SHAPE, r, head_every_position=True) == forward_flops(SHAPE, N * L, N * L * L, N * (L - 1))
+    assert trl_rows_flops(SHAPE, r, head_every_position=False).lm_head == 2 * SHAPE.hidden * SHAPE.vocab * int(
+        r.completion_mask.sum())
+    # sharing: the prompt's body FLOPs once per group instead of G times, completion tokens the same
+    saved = sum((len(cs) - 1) * p for p, cs in r.groups)
+    diff = useful_flops(SHAPE, r, shared=False).body - useful_flops(SHAPE, r, shared=True).body
+    assert diff == 2 * SHAPE.body_params_per_token() * saved
+    ideal = ideal_speedups(SHAPE, rollouts, head_every_position=True)
+    assert ideal.vs_trl_rows > ideal.sharing_alone > 1.0
+    assert sum(ideal.split_trl.values()) == pytest.approx(1.0)
+
+
+def test_modes_run_the_same_rollouts_and_agree(tmp_path):
+    """lr 0: every mode runs on the same weights, so each pass of a step (old policy, reference, the policy twice)
+    must return the same per-token log-probs in every mode, and TRL's logged entropy must agree."""
+    torch.manual_seed(0)
+    model = load_causal_lm(llama_config(SHAPE), dtype=torch.float32)
+    with torch.no_grad():  # a model whose log-probs depend on the input (default init: nearly uniform)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "model")
+    trainer = build_bench_trainer(str(tmp_path / "model"), build_tiny_tokenizer(), backend="segmented",
+                                  dtype=torch.float32, device="cpu", beta=0.04, num_iterations=2, group_size=2,
+                                  output_dir=str(tmp_path / "out"))
+    assert trainer.ref_model is not None
+    passes = []
+    run_pass = trainer._get_per_token_logps_and_entropies
+
+    def recording(*args, **kwargs):
+        out = run_pass(*args, **kwargs)
+        passes.append(out[0].detach().clone())
+        return out
+
+    trainer._get_per_token_logps_and_entropies = recording
+    step = GroupTrainingStep(trainer, lr=0.0, line_per_step=True)
+    rollouts = synthetic_rollouts(TINY, 2, vocab_size=SHAPE.vocab)
+    result = run_profile(TINY, rollouts, step, SHAPE, device="cpu", repeats=1, warmup=0)
+    # per rollout and mode: old policy, reference, policy, policy (num_iterations 2)
+    assert len(passes) == 2 * len(MODES) * 4
+    for r in range(2):
+        by_mode = [passes[(r * len(MODES) + m) * 4:(r * len(MODES) + m + 1) * 4] for m in range(len(MODES))]
+        for trl_pass, shared_pass, packed_pass in zip(*by_mode):
+            scored = rollouts[r].completion_mask.bool()
+            assert trl_pass[scored].std() > 0.5  # log-probs that tell tokens apart
+            assert (shared_pass - trl_pass).abs().max() <= 1e-5 and (packed_pass - trl_pass).abs().max() <= 1e-5
+    trl, shared, packed = (result.modes[m] for m in MODES)
+    for mode in (shared, packed):
+        assert len(mode.entropies) == 2
+        for a, b in zip(trl.entropies, mode.entropies):
+            assert a > 0.5 and abs(a - b) <= 1e-5 * a
+    # the same completion tokens, each prompt once instead of G times
+    assert shared.tokens == packed.tokens
+    assert trl.tokens - shared.tokens == sum((len(cs) - 1) * p for r in rollouts for p, cs in r.groups)
+    assert packed.lines == 2 and shared.lines == 2 * TINY.prompts_per_step and trl.lines == 2 * 16
+    assert packed.fill == 1.0 and trl.fill < 1.0
+    assert all(s > 0 for m in MODES for s in result.modes[m].seconds)
+    assert trainer.args.prefix_sharing and trainer.args.pack_length == "auto"  # the modes' settings restored
+
+
+def test_bench_grpo_command_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["bench", "--task", "grpo", "--quick", "--length-scale", "0.05", "--rollouts", "1", "--repeats", "1",
+            "--warmup", "0", "--threads", "1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "--quick: scaled down" in printed and "generation's share of a whole step" in printed
+    data = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.md").read_text() in printed
+    assert [p["name"] for p in data["profiles"]] == list(PROFILES)
+    for p in data["profiles"]:
+        assert p["ideal"]["vs_trl_rows"] > p["ideal"]["sharing_alone"] > 1.0 and p["achieved_over_ideal"] > 0
+        assert all(s["median"] > 0 for s in p["speedups"].values())
+        modes = p["modes"]
+        assert modes["trl"]["tokens"] > modes["shared"]["tokens"] == modes["shared-packed"]["tokens"]
+        assert all(modes[m]["completions_per_s"]["median"] > 0 for m in MODES)
+    generation = data["generation"]
+    assert generation["profile"] == "math-like" and generation["generate_s"] > 0
+    assert 0 < generation["share_trl"] < 1 and generation["whole_step_speedup"] > 0
+
+
+@pytest.mark.parametrize("option,message", [
+    (["--dataset", "x.jsonl"], "--dataset is for --task dpo / reward"),
+    (["--examples", "4"], "--examples is for --task dpo / reward"),
+    (["--profiles", "capybara"], "unknown profile(s) capybara for --task grpo"),
+    (["--attention", "varlen"], "--attention varlen: attention='varlen' needs a CUDA device"),
+    (["--num-iterations", "0"], "--num-iterations >= 1"),
+])
+def test_bad_options_are_one_line(option, message, capsys):
+    assert main(["bench", "--task", "grpo", "--quick", *option]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

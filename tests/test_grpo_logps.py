@@ -1,0 +1,218 @@
+"""The per-token log-prob pass of `PrefixGRPOTrainer` / `PrefixRLOOTrainer` against TRL 1.16's own method on the
+same trainer, model and rows (the stock SDPA attention for TRL's pass).
+
+Rows: three prompt groups shuffled together (a group's rows are not adjacent), prompts left-padded by TRL's
+rule, completions of 1..14 tokens ending at EOS, cut at the width, and one fully masked. Asserted (fp32):
+log-probs and entropies within 1e-5, and the gradients of a weighted sum of both within 1e-5 x the largest
+gradient entry; for a rotary (llama), an absolute-position (gpt2, positions = columns) and a mask-counted-
+position (opt) model, with and without packing, at temperature 1 and 0.7, one forward and TRL's chunked
+forwards, dense-mask SDPA and segmented attention; the MoE load-balancing loss of one and of chunked forwards
+(qwen3-moe) within 1e-6; a pass prefix sharing cannot reproduce runs TRL's own method, bit for bit, with one log
+line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from grpo_common import prompt_dataset, reward_vowels, rows_with_groups, tiny_causal_lm, tokenizer
+from trl import GRPOTrainer
+
+from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer
+from prefixdpo.grpo.layout import layout_groups, why_not_shared
+
+
+def make_trainer(tmp_path, model, **options):
+    torch.set_num_threads(1)  # tiny models; conftest's fixture restores the thread count
+    args = PrefixGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                            max_completion_length=14, use_cpu=True, bf16=False, report_to="none",
+                            gradient_checkpointing=False, **options)
+    return PrefixGRPOTrainer(model=model, reward_funcs=reward_vowels, args=args, train_dataset=prompt_dataset(4),
+                             processing_class=tokenizer())
+
+
+def trl_pass(trainer, **kwargs):
+    """TRL 1.16's own method on the same trainer, with the model's stock SDPA attention."""
+    model = trainer.model
+    model.set_attn_implementation("sdpa")
+    try:
+        return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, **kwargs)
+    finally:
+        model.set_attn_implementation("prefixdpo")
+
+
+def values_and_grads(pass_fn, model, weights):
+    """(log-probs, entropies, gradient of sum(w0 * logps + w1 * entropies) per parameter)."""
+    model.zero_grad(set_to_none=True)
+    logps, entropies, _ = pass_fn()
+    ((logps * weights[0]).sum() + (entropies * weights[1]).sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logps.detach(), entropies.detach(), grads
+
+
+@pytest.mark.parametrize("arch,packing,temperature,batch_size,attention", [
+    ("llama", True, 0.7, None, "sdpa"),
+    ("llama", False, 1.0, 3, "segmented"),
+    ("gpt2", True, 1.0, None, "sdpa"),
+    ("opt", False, 0.7, 3, "sdpa"),
+])
+def test_logps_entropies_and_grads_equal_trl(tmp_path, arch, packing, temperature, batch_size, attention):
+    trainer = make_trainer(tmp_path, tiny_causal_lm(arch), packing=packing, temperature=temperature,
+                           attention=attention)
+    model = trainer.model
+    input_ids, attention_mask, K = rows_with_groups()
+    call = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K, batch_size=batch_size,
+                compute_entropy=True)
+    weights = torch.randn(2, *input_ids.shape[:1], K, generator=torch.Generator().manual_seed(1))
+    ours = values_and_grads(lambda: trainer._get_per_token_logps_and_entropies(model, **call), model, weights)
+    theirs = values_and_grads(lambda: trl_pass(trainer, **call), model, weights)
+
+    scored = attention_mask[:, -K:].bool()
+    assert scored.sum() > 40 and (theirs[0][scored] < -1).all()  # a real pass: many tokens, none trivially certain
+    assert torch.equal(ours[0][~scored], torch.zeros_like(ours[0][~scored]))  # zero where TRL's is zero
+    assert (ours[0] - theirs[0]).abs().max() <= 1e-5
+    assert (ours[1] - theirs[1]).abs().max() <= 1e-5
+    assert ours[2].keys() == theirs[2].keys() and len(ours[2]) == len(list(model.parameters()))
+    scale = max(g.abs().max() for g in theirs[2].values())
+    assert scale > 1e-3
+    assert max((ours[2][n] - theirs[2][n]).abs().max() for n in ours[2]) <= 1e-5 * scale
+    # the pass really shared: each prompt ran once
+    lines = layout_groups(input_ids, attention_mask, K, packing=packing)
+    assert lines.num_real_tokens == int(attention_mask.sum()) - (9 * 3 + 4 * 2 + 6 * 0)
+
+
+def test_no_grad_pass_equals_trl(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups(seed=3)
+    with torch.no_grad():
+        ours, none_entropy, none_aux = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, K, 2)
+        theirs, _, _ = trl_pass(trainer, input_ids=input_ids, attention_mask=attention_mask,
+                                logits_to_keep=K, batch_size=2)
+    assert none_entropy is None and none_aux is None and not ours.requires_grad
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+           router_aux_loss_coef=0.01, num_key_value_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_moe_aux_loss_equals_trl(tmp_path, batch_size):
+    trainer = make_trainer(tmp_path, tiny_causal_lm("qwen3_moe", **MOE))
+    assert trainer.aux_loss_enabled
+    input_ids, attention_mask, K = rows_with_groups(seed=2)
+    call = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K, batch_size=batch_size,
+                compute_entropy=True, compute_aux_loss=True)
+    ours = trainer._get_per_token_logps_and_entropies(trainer.model, **call)
+    theirs = trl_pass(trainer, **call)
+    assert ours[2].requires_grad and theirs[2] > 0
+    assert abs(ours[2].item() - theirs[2].item()) <= 1e-6
+    assert (ours[0] - theirs[0]).abs().max() <= 1e-5
+
+
+def test_groups_by_prompt_tokens_not_row_order():
+    input_ids, attention_mask, K = rows_with_groups()
+    lines = layout_groups(input_ids, attention_mask, K, packing=False)
+    # three prompts -> three lines, whatever the row order; a row's group is the one whose prompt it carries
+    assert lines.num_lines == 3
+    prompts = [tuple(r[:-K][m[:-K].bool()].tolist()) for r, m in zip(input_ids, attention_mask)]
+    by_group = {}
+    for row, group in enumerate(lines.group_of_row.tolist()):
+        by_group.setdefault(group, set()).add(prompts[row])
+    assert all(len(p) == 1 for p in by_group.values()) and len(by_group) == 3
+    # positions are TRL's columns: a left-padded prompt starts where its first real token sits
+    first = lines.position_ids[lines.doc_ids >= 0].min()
+    assert first == 0 and set(lines.position_ids.unique().tolist()) >= {5, 9 + K - 1}
+    # reversing the rows changes nothing but the row numbers: each row's scored tokens and their predictors' tokens
+    flipped = layout_groups(input_ids.flip(0), attention_mask.flip(0), K, packing=False)
+    N = input_ids.shape[0]
+
+    def per_row(layout, row):
+        sel = layout.out_row == row
+        return (layout.target_ids[sel].tolist(), layout.out_col[sel].tolist(),
+                layout.input_ids[layout.target_line[sel], layout.target_col[sel]].tolist())
+
+    assert flipped.num_lines == 3 and all(per_row(lines, r) == per_row(flipped, N - 1 - r) for r in range(N))
+
+
+def test_layouts_that_are_not_reproduced_are_named():
+    input_ids, attention_mask, K = rows_with_groups()
+    assert why_not_shared(attention_mask, K) is None
+    gap = attention_mask.clone()
+    gap[0, -K:] = 1
+    gap[0, -K + 1] = 0  # the second completion token masked, the rest attended
+    assert "after a masked one" in why_not_shared(gap, K)
+    orphan = attention_mask.clone()
+    row = int((attention_mask[:, -K] == 1).nonzero()[0])
+    orphan[row, -K - 1] = 0  # the prompt's last column, which predicts the completion's first token
+    assert "follows a masked prompt column" in why_not_shared(orphan, K)
+    assert "no prompt" in why_not_shared(attention_mask, input_ids.shape[1])
+
+
+def test_fallback_is_trl_exactly_and_said_once(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups()
+    token_type_ids = torch.zeros_like(input_ids)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
+        for _ in range(2):
+            ours, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, K, token_type_ids=token_type_ids)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, input_ids, attention_mask, K, token_type_ids=token_type_ids)
+    assert torch.equal(ours, theirs)
+    said = [r for r in caplog.records if "token_type_ids" in r.getMessage()]
+    assert len(said) == 1 and "TRL's own layout" in said[0].getMessage()
+
+
+def test_sliding_window_shorter_than_the_rows_runs_trls_pass(tmp_path, caplog):
+    model = tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    trainer = make_trainer(tmp_path, model)
+    input_ids, attention_mask, K = rows_with_groups()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, K)
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, K)
+    assert torch.equal(ours, theirs)
+    assert any("sliding window of 8" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pass_with_every_completion_masked_still_has_a_graph(tmp_path):
+    """As TRL's: zeros that backward runs through (a micro-batch of truncated completions under
+    mask_truncated_completions must not stop training)."""
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups()
+    attention_mask[:, -K:] = 0
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, K,
+                                                                     compute_entropy=True)
+    assert torch.equal(logps, torch.zeros_like(logps)) and torch.equal(entropies, torch.zeros_like(entropies))
+    (logps.sum() + entropies.sum()).backward()
+    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+
+
+def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_path):
+    """TRL's reference / old-policy / policy passes of one batch: one layout, one set of masks; other rows or
+    options build their own."""
+    trainer = make_trainer(tmp_path, tiny_causal_lm("llama"))
+    input_ids, attention_mask, K = rows_with_groups()
+
+    def run(ids, mask, batch_size=None):
+        with torch.no_grad():
+            out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, batch_size)[0]
+        return out, trainer._last_layout[3]
+
+    logps, lines = run(input_ids, attention_mask)
+    assert len(lines.masks) == 1
+    again, reused = run(input_ids.clone(), attention_mask.clone())  # new tensors, same content (as TRL's cat)
+    assert reused is lines and len(lines.masks) == 1 and torch.equal(again, logps)
+    full = int((attention_mask[:, -K:].sum(1) == K).nonzero()[0])
+    shorter = attention_mask.clone()
+    shorter[full, -1] = 0  # one completion a token shorter
+    _, other = run(input_ids, shorter)
+    assert other is not lines and other.num_real_tokens == lines.num_real_tokens - 1
+    trainer.args.packing = False
+    _, unpacked = run(input_ids, shorter)
+    assert unpacked is not other and unpacked.num_lines == 3 and len(unpacked.masks) == 1
+    _, chunked = run(input_ids, shorter, batch_size=1)  # the same lines, one per forward
+    assert chunked is unpacked and len(unpacked.masks) == 1 + 3
