@@ -398,7 +398,11 @@ def command_options() -> set[str]:
     from prefixdpo.option_parser import OptionParser
     from prefixdpo.reward.config import REWARD_OPTIONS
 
-    parsers = [OptionParser(DPO_OPTIONS), OptionParser(REWARD_OPTIONS)]
+    from prefixdpo.grpo import PrefixGRPOConfig, PrefixRLOOConfig
+    from prefixdpo.grpo.config import group_options
+
+    parsers = [OptionParser(DPO_OPTIONS), OptionParser(REWARD_OPTIONS),
+               *(OptionParser(group_options(config)) for config in (PrefixGRPOConfig, PrefixRLOOConfig))]
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     parsers += list(sub.choices.values())
     return {s.replace("-", "_").replace("__", "--", 1) for p in parsers for s in p._option_string_actions}

@@ -112,7 +112,7 @@ def test_given_model_dataset_rewards_lora_and_resume(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)  # TRL's rule: module:function is looked up in the current folder first
     out = tmp_path / "run"
     common = ["--model", model_dir, "--dataset", str(data), "--reward_funcs", "think_format_reward",
-              "my_rewards:target_share", "--lora_r", "4", "--beta", "0.04", "--num_generations", "4",
+              "my_rewards:target_share", "--use_peft", "--lora_r", "4", "--beta", "0.04", "--num_generations", "4",
               "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--learning_rate", "1e-2",
               "--output-dir", str(out), "--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1",
               "--disable_tqdm", "true", "--report_to", "none"]

@@ -482,9 +482,10 @@ def test_readme_lora_examples_use_trls_flags():
     """Item 4: the README's commands that set LoRA options also pass --use_peft (the old `--lora_r` alone spelling
     is gone from the examples; tests/test_bad_inputs.py checks its one warning line)."""
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    commands = [line for line in readme.read_text().splitlines() if re.match(r"\s*prefixdpo (train|reward)\b", line)]
+    command = re.compile(r"\s*prefixdpo (train|reward|grpo|rloo)\b")
+    commands = [line for line in readme.read_text().splitlines() if command.match(line)]
     with_lora = [line.split("#")[0] for line in commands if "--lora_" in line.split("#")[0]]
-    assert len(with_lora) >= 2 and all("--use_peft" in line for line in with_lora), with_lora
+    assert len(with_lora) >= 3 and all("--use_peft" in line for line in with_lora), with_lora
 
 
 def test_dataset_streaming_is_refused_in_one_line(local, tmp_path, capsys):

@@ -3,17 +3,21 @@ GRPO (TRL 1.16's `GRPOTrainer`) with each prompt computed once per log-prob pass
 
 Options are TRL's `GRPOConfig` fields with TRL's names, defaults and meaning (a TRL GRPO YAML runs unchanged),
 `transformers.TrainingArguments` (schedules, accumulation, bf16, checkpoints, DDP/FSDP/DeepSpeed), TRL's script
-names for the data and rewards (`--dataset_name`, `--reward_funcs`, `--reward_model_name_or_path`), LoRA
-(`--lora_r`), and the layout of the passes (`--prefix_sharing`, `--packing`, `--pack_length`, `--attention`).
-Records need a `prompt` (text or messages); their other fields reach the reward functions. Without `--model` and
-`--dataset`: the embedded default (a tiny model, prompts sharing a long instruction, the reward `vowel_share`),
-which prints the reward rising and the tokens prefix sharing saved (`make demo-grpo`). The YAML file's values
-are defaults that the command line overrides; every boolean X also takes `--X true|false` and `--no_X`;
+names for the data and rewards (`--dataset_name`, `--reward_funcs`, `--reward_model_name_or_path`), TRL's
+`ModelConfig` and `ScriptArguments` as `trl grpo` parses them (`--model_revision`, `--dtype`,
+`--attn_implementation`, LoRA exactly with `--use_peft` from the `--lora_*` options, QLoRA with `--load_in_4bit`,
+`--dataset_test_split` read when `--eval_strategy` is not `no`), and the layout of the passes
+(`--prefix_sharing`, `--packing`, `--pack_length`, `--attention`). Records need a `prompt` (text or messages);
+their other fields reach the reward functions. Without `--model` and `--dataset`: the embedded default (a tiny
+model, prompts sharing a long instruction, the reward `vowel_share`), which prints the reward rising and the tokens
+prefix sharing saved (`make demo-grpo`). The YAML file's values are defaults that the command line overrides; every
+boolean X also takes `--X true|false` and `--no_X`;
 `--resume_from_checkpoint latest` resumes from the newest checkpoint in output_dir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -49,7 +53,7 @@ def _usage(command: str) -> str:
 
 _RLOO_WORDS = (("prefixdpo grpo", "prefixdpo rloo"), ("GRPOConfig", "RLOOConfig"), ("TRL GRPO YAML", "TRL RLOO YAML"),
                ("GRPO (TRL 1.16's `GRPOTrainer`)", "RLOO (TRL 1.16's `RLOOTrainer`)"),
-               ("make demo-grpo", "make demo-rloo"))
+               ("make demo-grpo", "make demo-rloo"), ("trl grpo", "trl rloo"))
 
 
 def _parser_kwargs(command: str) -> dict:
@@ -99,6 +103,34 @@ def _reward_callback():
     return RewardProgress()
 
 
+@contextlib.contextmanager
+def _without_trl_instance_warning(trainer_class):
+    """TRL's trainers warn that `model_init_kwargs` are ignored when given a loaded model; here the model was loaded
+    with them and TRL loads the reference and reward models with them, so that one line would be false."""
+    import logging
+
+    from trl import GRPOTrainer
+
+    name = ("trl.trainer.grpo_trainer" if issubclass(trainer_class, GRPOTrainer) else "trl.trainer.rloo_trainer")
+    drop = _DropMessage("but your model is already instantiated. The `model_init_kwargs` will be ignored")
+    logger = logging.getLogger(name)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+class _DropMessage:
+    """A logging filter dropping the records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
 def run(args) -> int:
     from prefixdpo.grpo.config import group_options, parse_group_args
     from prefixdpo.option_parser import OptionParser
@@ -111,6 +143,16 @@ def run(args) -> int:
         return 0
     config, model_args, script_args = parse_group_args(config_class, command, argv,
                                                        demo_defaults=_demo_defaults(command), **_parser_kwargs(command))
+    from prefixdpo.training.options import eval_split, script_options_without_effect, state_options_without_effect
+
+    state_options_without_effect(script_options_without_effect(config, script_args)
+                                 + model_args.options_without_effect_in(config))
+    # TRL's own PEFT and quantization configs, refused here (before any work) where they cannot be used
+    peft_config = model_args.peft_config()
+    load_kwargs = model_args.from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code,
+                                                    config.local_process_index)
+    # as TRL's script: the reference (beta > 0, no LoRA) and reward models by name load with the model's arguments
+    config.model_init_kwargs = model_args.script_model_init_kwargs(config.model_init_kwargs, config.trust_remote_code)
 
     from prefixdpo.grpo.data import load_prompts
     from prefixdpo.core.models import load_causal_lm, load_tokenizer
@@ -130,21 +172,25 @@ def run(args) -> int:
     train, report = load_prompts(source, split=script_args.dataset_train_split, **load)
     print(f"Train prompts: {report.summary()}")
     held_out = None
-    if script_args.dataset_test_split is not None:
-        held_out, eval_report = load_prompts(source, split=script_args.dataset_test_split, **load)
+    test_split = eval_split(config, script_args)  # as TRL's script: read when eval_strategy is not "no"
+    if test_split is not None:
+        held_out, eval_report = load_prompts(source, split=test_split, **load)
         print(f"Held-out prompts: {eval_report.summary()}")
 
     name = model_args.model_name_or_path or str(demo.model_dir)
-    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
-                               revision=(config.model_init_kwargs or {}).get("revision"))
-    model = load_causal_lm(name, dtype=model_args.dtype, trust_remote_code=config.trust_remote_code,
-                           model_init_kwargs=config.model_init_kwargs)
+    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code, revision=load_kwargs.get("revision"))
+    model = load_causal_lm(name, model_init_kwargs=load_kwargs)
     params = sum(p.numel() for p in model.parameters())
     print(f"Model: {name} ({type(model).__name__}, {params / 1e6:.2f}M parameters); {len(train)} prompts x "
           f"{config.num_generations} completions; output: {config.output_dir}", flush=True)
-    trainer = trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
-                            eval_dataset=held_out, processing_class=tokenizer, peft_config=model_args.peft_config(),
-                            callbacks=[_reward_callback()])
+    with _without_trl_instance_warning(trainer_class):
+        trainer = trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
+                                eval_dataset=held_out, processing_class=tokenizer, peft_config=peft_config,
+                                callbacks=[_reward_callback()])
+    if script_args.ignore_bias_buffers:
+        from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
+
+        ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's DPO script
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
 

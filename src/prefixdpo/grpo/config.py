@@ -6,8 +6,9 @@ TRL's, as in `PrefixDPOConfig`: `bf16` not set means bf16 where the device compu
 Ampere+, XPU, NPU, TPU), fp32 elsewhere; TRL turns it on everywhere, which a CPU run without `use_cpu` refuses.
 
 `GroupModelArguments` / `GroupScriptArguments`: the model, the dataset and the rewards of `prefixdpo grpo` /
-`prefixdpo rloo` (TRL's `trl grpo` script names), parsed with the parser of every prefixdpo command
-(`prefixdpo.option_parser`).
+`prefixdpo rloo`: the argument classes TRL's `trl grpo` / `trl rloo` scripts parse (TRL 1.16's `ModelConfig`, and
+`GRPOScriptArguments`, i.e. `ScriptArguments` + the rewards, field for field; tests/test_trl_model_config.py walks
+them), parsed with the parser of every prefixdpo command (`prefixdpo.option_parser`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig, RLOOConfig
 
 from prefixdpo.option_parser import parse_options
-from prefixdpo.training.options import check_attention_and_pack_length, device_has_bf16
+from prefixdpo.training.model_options import ModelArguments
+from prefixdpo.training.options import ScriptArguments, check_attention_and_pack_length, device_has_bf16
 
 
 @dataclass
@@ -74,41 +76,28 @@ class PrefixRLOOConfig(GroupLayoutOptions, RLOOConfig):
         self._check_prefix_options()
 
 
+# Why `--dataset_streaming` is refused here (the DPO and reward commands give their own reason).
+GROUP_STREAMING_REFUSED = (
+    "prefixdpo grpo/rloo check every prompt record before the first step (a bad one is named, or skipped and "
+    "counted, before any work) and hand TRL the checked split, so a streamed split would be read whole: load it "
+    "without streaming (datasets caches it on disk)")
+
 # TRL's `trl grpo` script registry (its names, and the arguments it gives the one factory).
 TRL_REWARD_NAMES = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward",
                     "get_soft_overlong_punishment")
 
 
 @dataclass
-class GroupModelArguments:
-    """The policy (the reference, where beta > 0, is TRL's: the same checkpoint, or the LoRA policy's base)."""
-
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "HF model name or local path (default: the demo model).", "aliases": ["--model"]},
-    )
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (default; --bf16 then autocasts), "
-                                                            "bfloat16, float16, or auto (the checkpoint's own)."})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 = full fine-tuning."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: all linear)."}
-    )
-
-    def peft_config(self):
-        """A `peft.LoraConfig` when lora_r > 0, else None."""
-        if self.lora_r <= 0:
-            return None
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                          target_modules=self.lora_target_modules or "all-linear", task_type="CAUSAL_LM")
+class GroupModelArguments(ModelArguments):
+    """TRL's `ModelConfig` (`training.model_options.ModelArguments`, as `prefixdpo train` has it): the policy, how
+    it is loaded, LoRA exactly with `use_peft`. The reference, where beta > 0, is TRL's: the LoRA policy with its
+    adapter off, else the same checkpoint loaded with the same arguments (`model_init_kwargs`, as TRL's script)."""
 
 
 @dataclass
-class GroupScriptArguments:
-    """The prompts and the rewards (TRL's `GRPOScriptArguments` names)."""
+class GroupScriptArguments(ScriptArguments):
+    """TRL's `GRPOScriptArguments` / `RLOOScriptArguments` (`ScriptArguments` + the rewards), and how records are
+    read (`max_samples`, `invalid`)."""
 
     dataset_name: str | None = field(
         default=None,
@@ -116,20 +105,25 @@ class GroupScriptArguments:
                           "with a 'prompt' (text or a list of messages); other fields reach the reward functions "
                           "(default: the demo prompts).", "aliases": ["--dataset"]},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Training split (TRL name)."})
-    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluation split (TRL name)."})
-    max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
-    invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip (counted)."})
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": f"TRL: load the dataset in streaming mode. Refused: {GROUP_STREAMING_REFUSED}"})
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A reward model (sequence classifier) by HF name or local path, as TRL "
+                                        "(loaded with model_init_kwargs, which the model options fill as TRL's "
+                                        "script does)."}
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": f"Reward functions: TRL's {', '.join(TRL_REWARD_NAMES)} (get_soft_overlong_punishment with "
                           "TRL's max_completion_len=1280, soft_punish_cache=256), or module:function / "
                           "module.function (a module on the Python path or in the current folder)."},
     )
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "A reward model (sequence classifier) by HF name or local path, as TRL."}
-    )
+    max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
+    invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip (counted)."})
+
+    def streaming_refused(self) -> str:
+        return GROUP_STREAMING_REFUSED
 
 
 def parse_group_args(config_class, command: str, argv: list[str] | None = None,

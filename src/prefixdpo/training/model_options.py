@@ -164,15 +164,19 @@ class ModelArguments:
             reason = " ".join(str(err).split())
             raise ConfigError(f"{self.quantized_option} with dtype={self.dtype}: {reason}") from None
 
+    def script_model_init_kwargs(self, model_init_kwargs: dict | None = None, trust_remote_code: bool = False) -> dict:
+        """The training config's `model_init_kwargs` as TRL's scripts set them: revision, trust_remote_code,
+        attn_implementation and dtype, updated with the given `model_init_kwargs` (theirs win). TRL's trainers load
+        every model they are given by name with these (a reference, a reward model)."""
+        return {"revision": self.model_revision, "trust_remote_code": trust_remote_code,
+                "attn_implementation": self.attn_implementation, "dtype": self.dtype, **(model_init_kwargs or {})}
+
     def from_pretrained_kwargs(self, model_init_kwargs: dict | None = None, trust_remote_code: bool = False,
                                device_index: int = 0) -> dict:
-        """What TRL's scripts load the model with: revision, trust_remote_code, attn_implementation and dtype,
-        updated with the training config's `model_init_kwargs` (theirs win), then the quantization config and,
+        """What TRL's scripts load the model with (`script_model_init_kwargs`), then the quantization config and,
         for a quantized load, the device map that puts the whole model on this process's device
         (`device_index`, its local rank: bitsandbytes weights cannot move after loading)."""
-        kwargs = {"revision": self.model_revision, "trust_remote_code": trust_remote_code,
-                  "attn_implementation": self.attn_implementation, "dtype": self.dtype,
-                  **(model_init_kwargs or {})}
+        kwargs = self.script_model_init_kwargs(model_init_kwargs, trust_remote_code)
         quantization = self.quantization_config()
         if quantization is not None:
             if "quantization_config" in (model_init_kwargs or {}):

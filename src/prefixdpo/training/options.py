@@ -78,9 +78,13 @@ class ScriptArguments:
 
     def __post_init__(self) -> None:
         if self.dataset_streaming:
-            from prefixdpo.data.loading import STREAMING_REFUSED
+            raise ConfigError(f"dataset_streaming is not supported: {self.streaming_refused()}")
 
-            raise ConfigError(f"dataset_streaming is not supported: {STREAMING_REFUSED}")
+    def streaming_refused(self) -> str:
+        """Why this command cannot train on a streamed split (the DPO and reward data pipeline's reason)."""
+        from prefixdpo.data.loading import STREAMING_REFUSED
+
+        return STREAMING_REFUSED
 
 
 @dataclass
