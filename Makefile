@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Two pytest-xdist workers: the CI machine has 2 cores, and most tests are single-threaded Python on tiny models.
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 demo: $(STAMP)
 	$(VENV)/bin/prefixdpo train

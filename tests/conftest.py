@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# `make test` runs two pytest-xdist workers on the 2-core CI machine: one thread each keeps them from fighting
+# over the cores (tiny models gain little from a second thread); a plain `pytest` keeps two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ something).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,10 @@ print(json.dumps({"threads": torch.get_num_threads(), "calls": calls}))
 
 
 def test_first_call_of_every_vml_op_runs_on_one_thread():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TESTS)], capture_output=True, text=True, timeout=300)
+    # a fresh interpreter with the suite's plain 2 threads (under pytest-xdist conftest would set 1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TESTS)], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     calls = result["calls"]
