@@ -20,7 +20,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import NO_HELD_OUT, format_metric
+from prefixdpo.commands.train import NO_HELD_OUT, format_metric, script_setup
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -59,23 +59,15 @@ def parse_reward_args(argv: list[str], demo_defaults: dict[str, str] | None = No
 
 
 def run(args) -> int:
-    from prefixdpo.option_parser import OptionParser
     from prefixdpo.reward.config import REWARD_OPTIONS, reward_data_options
 
-    argv = list(getattr(args, "extra_argv", []))
-    if any(a in ("-h", "--help") for a in argv):
-        OptionParser(REWARD_OPTIONS, **_parser_kwargs()).print_help()
+    setup = script_setup(list(getattr(args, "extra_argv", [])), REWARD_OPTIONS, _parser_kwargs(),
+                         parse=lambda argv: parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS))
+    if setup is None:
         return 0
-    config, model_args, data_args = parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS)
-    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
-
-    state_options_without_effect(script_options_without_effect(config, data_args)
-                                 + model_args.options_without_effect_in(config))
-    # TRL's own PEFT (task SEQ_CLS: the score head trains fully) and quantization configs, refused here where
-    # they cannot be used
-    peft_config = model_args.peft_config()
-    load_kwargs = model_args.from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code,
-                                                    config.local_process_index)
+    config, model_args, data_args = setup.config, setup.model_args, setup.data_args
+    # TRL's own PEFT (task SEQ_CLS: the score head trains fully) and quantization configs
+    peft_config, load_kwargs = setup.peft_config, setup.load_kwargs
 
     from prefixdpo.core.models import load_tokenizer
     from prefixdpo.reward.data import reward_examples

@@ -18,6 +18,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prefixdpo.errors import UserError
 
@@ -69,6 +72,37 @@ def format_metric(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+@dataclass
+class ScriptSetup:
+    """What a training command parsed from its arguments: its three option dataclasses, and TRL's PEFT config and
+    `from_pretrained` keyword arguments built from the model options (refused in one line where unusable)."""
+
+    config: Any
+    model_args: Any
+    data_args: Any
+    peft_config: Any
+    load_kwargs: dict
+
+
+def script_setup(argv: list[str], option_types, parser_kwargs: dict, parse: Callable[[list[str]], tuple]
+                 ) -> ScriptSetup | None:
+    """A training command's `[config.yaml] [--X v]` parsed by `parse` into its `option_types`; None after printing
+    `--help`. Options without effect are stated (TRL's) or refused (ours) here, before any work."""
+    from prefixdpo.option_parser import OptionParser
+    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
+
+    if any(a in ("-h", "--help") for a in argv):
+        OptionParser(option_types, **parser_kwargs).print_help()
+        return None
+    config, model_args, data_args = parse(argv)
+    state_options_without_effect(script_options_without_effect(config, data_args)
+                                 + model_args.options_without_effect_in(config))
+    return ScriptSetup(config, model_args, data_args, peft_config=model_args.peft_config(),
+                       load_kwargs=model_args.from_pretrained_kwargs(config.model_init_kwargs,
+                                                                     config.trust_remote_code,
+                                                                     config.local_process_index))
+
+
 def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
     """`prefixdpo train`'s options: (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
     from prefixdpo.dpo.config import DPO_OPTIONS
@@ -79,21 +113,13 @@ def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = Non
 
 def run(args) -> int:
     from prefixdpo.dpo.config import DPO_OPTIONS, data_options
-    from prefixdpo.option_parser import OptionParser
 
-    argv = list(getattr(args, "extra_argv", []))
-    if any(a in ("-h", "--help") for a in argv):
-        OptionParser(DPO_OPTIONS, **PARSER_KWARGS).print_help()
+    setup = script_setup(list(getattr(args, "extra_argv", [])), DPO_OPTIONS, PARSER_KWARGS,
+                         parse=lambda argv: parse_train_args(argv, demo_defaults=DEMO_DEFAULTS))
+    if setup is None:
         return 0
-    config, model_args, data_args = parse_train_args(argv, demo_defaults=DEMO_DEFAULTS)
-    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
-
-    state_options_without_effect(script_options_without_effect(config, data_args)
-                                 + model_args.options_without_effect_in(config))
-    # TRL's own PEFT and quantization configs, refused here (before any work) where they cannot be used
-    peft_config = model_args.peft_config()
-    load_kwargs = model_args.from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code,
-                                                    config.local_process_index)
+    config, model_args, data_args = setup.config, setup.model_args, setup.data_args
+    peft_config, load_kwargs = setup.peft_config, setup.load_kwargs  # TRL's own PEFT and quantization configs
     demo_model = model_args.model_name_or_path is None
     demo_data = data_args.dataset_name is None
 
