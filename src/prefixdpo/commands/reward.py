@@ -17,7 +17,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import format_metric
+from prefixdpo.commands.train import format_metric, print_group_reports
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -102,6 +102,7 @@ def run(args) -> int:
           f"examples; output: {config.output_dir}", flush=True)
     trainer = PrefixRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=held_out,
                                   processing_class=tokenizer, peft_config=model_args.peft_config())
+    print_group_reports(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     print()

@@ -64,6 +64,12 @@ def format_metric(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def print_group_reports(trainer) -> None:
+    """One line per dataset the trainer grouped by prompt (`--group_by_prompt true`)."""
+    for name, report in trainer.group_reports.items():
+        print(f"{'Train' if name == 'train' else 'Held-out'} data: {report.summary()}")
+
+
 def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
     """`prefixdpo train`'s options: (PrefixDPOConfig, ModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
     from prefixdpo.dpo.config import DPO_OPTIONS
@@ -129,6 +135,7 @@ def run(args) -> int:
         processing_class=tokenizer,
         peft_config=model_args.peft_config(),
     )
+    print_group_reports(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
 

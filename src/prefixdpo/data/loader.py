@@ -207,10 +207,15 @@ class MicroBatch:
 
 def pair_margins(examples: Sequence[Example]) -> torch.Tensor | None:
     """Margins [P] of the pairs of `examples` (example by example, each example's pairs in order), or None when
-    no example has one."""
+    no example has one. `meta["margin"]` is one number for every pair of the example (a record's margin), or
+    one per pair (an example grouped from several records, `data.grouping`)."""
     if not any(MARGIN in ex.meta for ex in examples):
         return None
-    return torch.tensor([ex.meta.get(MARGIN, 0.0) for ex in examples for _ in ex.pairs], dtype=torch.float32)
+    margins = []
+    for ex in examples:
+        margin = ex.meta.get(MARGIN, 0.0)
+        margins.extend(margin if isinstance(margin, (tuple, list)) else [margin] * len(ex.pairs))
+    return torch.tensor(margins, dtype=torch.float32)
 
 
 class MicroBatches(torch.utils.data.Dataset):
