@@ -242,3 +242,35 @@ def test_group_by_prompt_needs_prefix_sharing_and_is_a_command_line_option(tmp_p
     assert config.group_by_prompt is True
     config, *_ = parse_reward_args(["--output_dir", str(tmp_path), "--group_by_prompt"])
     assert config.group_by_prompt is True
+
+
+def test_stats_and_inspect_report_sharing_and_grouping_apart(tmp_path, capsys):
+    """3 records of one prompt (10 tokens; responses a, b, c of 5 tokens; pairs ab, ac, bc) and one other record:
+    per-record sharing runs 4 x 20 tokens of standard DPO's 4 x 30; grouped, the prompt's 3 records are one row of
+    10 + 15 tokens. The FLOP model's speedups: std / per-record rows, std / grouped rows."""
+    from prefixdpo.bench.flops import ModelShape, ideal_speedup
+    from prefixdpo.cli import main
+    from prefixdpo.data.stats import compute_stats
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+
+    shape = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+    prompt, (a, b, c) = tuple(range(1, 11)), ((7,) * 5, (8,) * 5, (9,) * 5)
+    examples = [Example(prompt, r, ((0, 1),), i) for i, r in enumerate(((a, b), (a, c), (b, c)))]
+    examples.append(Example(tuple(range(20, 30)), (a, b), ((0, 1),), 3))
+    grouped, _ = group_by_prompt(examples)
+    per_record, with_groups = ideal_speedup(shape, examples), ideal_speedup(shape, examples, shared_rows=grouped)
+    stats = compute_stats(examples, 64, speedup=per_record, model_name="tiny", grouped=grouped,
+                          grouped_speedup=with_groups)
+    assert (stats.shared_tokens, stats.unshared_tokens, stats.grouped_rows, stats.grouped_tokens) == (80, 120, 2, 45)
+    assert stats.grouping_saving == pytest.approx(1 - 45 / 80) and with_groups > per_record > 1
+    text = stats.format()
+    assert "33.3% vs standard DPO by per-record sharing" in text
+    assert "43.8% more by group_by_prompt (4 records -> 2 rows, 45 tokens): 62.5% vs standard DPO in all" in text
+    assert f"{with_groups:.2f}x with group_by_prompt ({with_groups / per_record:.2f}x from grouping alone)" in text
+
+    tokenizer_dir = tmp_path / "tok"
+    build_tiny_tokenizer().save_pretrained(str(tokenizer_dir))
+    path, n_records = _shp_file(tmp_path)
+    assert main(["inspect", path, "--tokenizer", str(tokenizer_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"more by group_by_prompt ({n_records} records -> 4 rows" in out and "from grouping alone" in out

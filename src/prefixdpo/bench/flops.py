@@ -196,19 +196,22 @@ def shared_flops(shape: ModelShape, example: Example | tuple[int, Sequence[int]]
     return shared_flop_count(shape, example).total
 
 
-def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]]) -> float:
+def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]],
+                  shared_rows: Iterable[Example | tuple[int, Sequence[int]]] | None = None) -> float:
     """sum standard FLOPs / sum prefix-shared FLOPs over a workload (>= 1 for pairwise records).
 
     For K responses paired best-vs-each, standard DPO runs 2(K-1) sequences and the shared row K
     responses once: the ideal grows with K (the saving is the repeated prompt AND the repeated best).
 
+    shared_rows: the same pairs laid out otherwise for the shared side, e.g. `examples` grouped by prompt
+    (`data.grouping.group_by_prompt`: one row per prompt, each distinct response once); None = `examples`.
+
     The training step's 3x (forward + backward) for the policy and 1x reference forward multiply both
     sides by the same factor, so this forward-FLOP ratio is also the step-FLOP ratio.
     """
-    std = shared = 0
-    for ex in examples:
-        std += standard_flops(shape, ex)
-        shared += shared_flops(shape, ex)
+    examples = list(examples)
+    std = sum(standard_flops(shape, ex) for ex in examples)
+    shared = sum(shared_flops(shape, ex) for ex in (examples if shared_rows is None else shared_rows))
     if shared == 0:
         raise UserError("ideal_speedup: empty workload (no examples)")
     return std / shared

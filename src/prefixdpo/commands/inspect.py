@@ -8,8 +8,9 @@ The data options are train's (`PrefixDPOConfig` / `DataArguments` fields, same n
 turned into `DataOptions` by the same `config.data_options`), so the data is prepared exactly as `train`
 would: over-long sequences truncated or dropped and counted, a bad record an error unless `--invalid skip`.
 Prints the preparation report (kept / skipped by reason / truncated / dropped / boundary adjustments),
-length statistics, tokens saved vs standard DPO, packing efficiency and the FLOP-model speedup
-(for Llama-3.1-8B unless `--model-config` names a config.json or model directory).
+length statistics, tokens saved vs standard DPO (by per-record sharing, and apart what `--group_by_prompt` would
+save on top), packing efficiency and the FLOP-model speedup of each (for Llama-3.1-8B unless `--model-config`
+names a config.json or model directory).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _shape(model_config: str | None):
 def run(args) -> int:
     from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig, data_options
     from prefixdpo.data.prepare import prepare_examples
+    from prefixdpo.data.grouping import group_by_prompt
     from prefixdpo.data.stats import compute_stats
 
     # The same dataclasses and `data_options` as train, so validation, defaults and preparation are train's.
@@ -108,12 +110,15 @@ def run(args) -> int:
     if not prepared.examples:
         print("No examples left to inspect.")
         return 1
-    speedup = None
+    grouped, _ = group_by_prompt(prepared.examples)  # what --group_by_prompt would run, reported apart
+    speedup = grouped_speedup = None
     if shape is not None:
         from prefixdpo.bench.flops import ideal_speedup
 
         speedup = ideal_speedup(shape, prepared.examples)
-    stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name)
+        grouped_speedup = ideal_speedup(shape, prepared.examples, shared_rows=grouped)
+    stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name,
+                          grouped=grouped, grouped_speedup=grouped_speedup)
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
