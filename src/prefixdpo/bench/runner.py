@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixdpo.bench.memory import PeakMemory
-from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
+from prefixdpo.bench.modes import GROUPED_MODE, MODES, common_pack_length, layout_group
 from prefixdpo.bench.paper import PAPER
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
-from prefixdpo.bench.flops import ModelShape, ideal_speedup
+from prefixdpo.bench.flops import ModelShape, ideal_speedup, step_ideals
+from prefixdpo.data.grouping import group_by_prompt
 
 __all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
 
@@ -37,6 +38,8 @@ SPEEDUPS = (
     ("shared", "paired", "shared_vs_paired"),
     ("shared-packed", "paired-packed", "shared_packed_vs_paired_packed"),
     ("shared-packed", "paired", "shared_packed_vs_paired"),
+    (GROUPED_MODE, "paired-packed", "grouped_packed_vs_paired_packed"),
+    (GROUPED_MODE, "shared-packed", "grouped_packed_vs_shared_packed"),
 )
 
 
@@ -91,10 +94,25 @@ class ProfileResult:
     speedups: dict[str, Spread]
     paper: dict | None = None
     notes: list[str] = field(default_factory=list)
+    ideals: dict[str, float] = field(default_factory=dict)  # `flops.step_ideals`: per_record, grouped, trie
 
     @property
     def achieved_over_ideal(self) -> float:
         return self.speedups["shared_packed_vs_paired_packed"].median / self.ideal
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the grouped mode ran (the workload's steps hold several records of one prompt)."""
+        return GROUPED_MODE in self.modes
+
+    def grouped_over_ideal(self) -> dict[str, float]:
+        """The grouped mode's speedups over their ideals: vs paired-packed (ideal: grouped) and vs shared-packed
+        (ideal: grouped / per_record, what grouping alone saves)."""
+        if not self.grouped:
+            return {}
+        alone = self.ideals["grouped"] / self.ideals["per_record"]
+        return {"vs_paired_packed": self.speedups["grouped_packed_vs_paired_packed"].median / self.ideals["grouped"],
+                "vs_shared_packed": self.speedups["grouped_packed_vs_shared_packed"].median / alone}
 
 
 def _sync(device: torch.device) -> None:
@@ -124,7 +142,13 @@ def run_workload(
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = torch.device(device)
     examples = workload.examples
-    pack_length = None if line_per_step else common_pack_length(examples)
+    steps = [[examples[i] for i in group] for group in workload.groups]
+    grouped = [group_by_prompt(step)[0] for step in steps]
+    if sum(map(len, grouped)) < len(examples):  # some step holds several records of one prompt
+        modes = tuple(modes) + (GROUPED_MODE,)
+    else:
+        grouped = []
+    pack_length = None if line_per_step else common_pack_length(examples, grouped=[g for gs in grouped for g in gs])
     bucketed = dev.type == "cuda"
 
     batches: dict[str, list] = {}
@@ -195,6 +219,7 @@ def run_workload(
         pack_length=pack_length,
         length_scale=workload.length_scale,
         ideal=ideal_speedup(shape, examples),
+        ideals=step_ideals(shape, steps),
         flop_split={
             "standard": shape.flop_fractions(examples, shared=False),
             "shared": shape.flop_fractions(examples, shared=True),

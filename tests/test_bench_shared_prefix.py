@@ -1,0 +1,133 @@
+"""Shared-prefix bench profiles (`shp-like`: several pair records per post; `system-prompt`: one system prompt in
+front of every record), the grouped-packed mode (`--group_by_prompt`) and their FLOP ideals.
+
+The grouped mode's per-pair losses and log-prob sums equal STOCK separate passes (each `[prompt][response]` alone,
+the model's own attention), fp32 atol 1e-5 (sums of ~5-10 token log-probs), on the dense mask with bin-packed
+lines and on segmented attention with one line per step. About 20 s on 2 busy CPU cores (two tiny bench runs).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from prefixdpo.bench.flops import ModelShape, forward_flops, shared_flop_count, standard_flop_count, step_ideals, \
+    trie_flop_count
+from prefixdpo.bench.modes import GROUPED_MODE, common_pack_length, layout_group
+from prefixdpo.bench.workloads import shared_prefix_workload
+from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.core.verify import separate_pass_logps
+from prefixdpo.data.example import Example
+from prefixdpo.data.grouping import PAIR_RECORDS, group_by_prompt
+from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES, shared_prefix_examples
+from prefixdpo.dpo.losses import sigmoid_loss
+
+TINY = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
+
+
+def test_shp_like_posts_hold_several_pairs_over_shared_comments_and_system_prompt_records_share_it():
+    records = shared_prefix_examples("shp-like", 6, vocab_size=1000, seed=3)
+    assert records == shared_prefix_examples("shp-like", 6, vocab_size=1000, seed=3)  # deterministic
+    posts = {}
+    for ex in records:
+        posts.setdefault(ex.meta["prompt"], []).append(ex)
+    assert sorted(posts) == list(range(6))
+    for post in posts.values():
+        assert 150 <= len(post[0].prompt_ids) <= 400 and all(ex.prompt_ids == post[0].prompt_ids for ex in post)
+        comments = {r for ex in post for r in ex.response_ids}
+        assert 4 <= len(comments) <= 7 and min(10, len(comments) * (len(comments) - 1) // 2) >= len(post) >= 5
+        assert len({frozenset(ex.response_ids) for ex in post}) == len(post)  # each two comments at most once
+    assert [ex.source_index for ex in records] == list(range(len(records)))
+
+    system = SHARED_PREFIX_PROFILES["system-prompt"]
+    records = shared_prefix_examples("system-prompt", 5, vocab_size=1000)
+    assert len(records) == 5 and len({ex.prompt_ids for ex in records}) == 5
+    assert len({ex.prompt_ids[:system.system_length] for ex in records}) == 1
+    assert len({ex.prompt_ids[:system.system_length + 1] for ex in records}) == 5
+
+
+def test_step_ideals_count_grouping_and_the_trie_by_hand():
+    """Records (prompt [1 2 3 4], responses a = 2, b = 1, c = 1 tokens): ab, ac, cb; and [1 2 7] with ab."""
+    a, b, c = (5, 5), (6,), (7,)
+    step = [Example((1, 2, 3, 4), rs, ((0, 1),), i) for i, rs in enumerate(((a, b), (a, c), (c, b)))]
+    step.append(Example((1, 2, 7), (a, b), ((0, 1),), 3))
+    standard = sum(standard_flop_count(TINY, ex).total for ex in step)
+    per_record = sum(shared_flop_count(TINY, ex).total for ex in step)
+    # grouped: [1 2 3 4][a][b][c] = 8 tokens, 10 + (2*4+3) + (4+1) + (4+1) = 31 pairs, 4 head positions; [1 2 7][a][b]
+    grouped = forward_flops(TINY, 8, 31, 4).total + shared_flop_count(TINY, step[3]).total
+    # trie: [1 2] once (3 pairs); [3 4] over it (2*2 + 3 pairs) then a, b, c; [7] (2 + 1) then a, b over [1 2 7]
+    trie = (forward_flops(TINY, 2, 3, 0) + forward_flops(TINY, 2 + 4, 4 + 3 + 11 + 5 + 5, 4)
+            + forward_flops(TINY, 1 + 3, 2 + 1 + (2 * 3 + 3) + (3 + 1), 3)).total
+    grouped_step, _ = group_by_prompt(step)
+    assert trie_flop_count(TINY, grouped_step).total == trie
+    ideals = step_ideals(TINY, [step])
+    assert ideals == pytest.approx({"per_record": standard / per_record, "grouped": standard / grouped,
+                                    "trie": standard / trie})
+    assert ideals["trie"] > ideals["grouped"] > ideals["per_record"] > 1
+    # nothing shared across records: all three ideals are per-record sharing's
+    alone = step_ideals(TINY, [[step[0]], [step[3]]])
+    assert alone["per_record"] == alone["grouped"] == alone["trie"]
+
+
+@pytest.mark.parametrize("backend,line_per_step", [("sdpa", False), ("segmented", True)],
+                         ids=["dense-binpacked", "segmented-one-line"])
+def test_grouped_mode_matches_stock_separate_passes(backend, line_per_step):
+    workload = shared_prefix_workload("shp-like", 2, 1, vocab_size=96, seed=1, length_scale=0.05)
+    policy, reference = tiny_model("llama"), tiny_model("llama")
+    with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
+        for p in reference.parameters():
+            p.mul_(0.9)
+    steps = [[workload.examples[i] for i in group] for group in workload.groups]
+    assert len(steps) == 2 and all(len({ex.prompt_ids for ex in step}) == 1 and len(step) >= 5 for step in steps)
+    grouped_all = [g for step in steps for g in group_by_prompt(step)[0]]
+    L = None if line_per_step else common_pack_length(workload.examples, grouped=grouped_all)
+    for step in steps:
+        with torch.no_grad():
+            stock_pol, stock_ref = separate_pass_logps(policy, step), separate_pass_logps(reference, step)
+        prepare_model(policy, backend)
+        prepare_model(reference, backend)
+        batch = layout_group(step, GROUPED_MODE, pack_length=L)
+        assert batch.num_real_tokens == sum(g.shared_length for g in group_by_prompt(step)[0]) < sum(
+            ex.shared_length for ex in step)
+        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        with torch.no_grad():
+            ref = compute_response_logps(reference, batch, mask).sums
+        pol = compute_response_logps(policy, batch, mask).sums
+        # the batch's pairs, by record: the stock sums of record r are rows 2r (better) and 2r + 1 (worse)
+        first = step[0].source_index
+        (grouped,) = group_by_prompt(step)[0]
+        records = torch.tensor(grouped.meta[PAIR_RECORDS]) - first
+        b, w = batch.pair_better, batch.pair_worse
+        for name, ours, truth in (("policy", pol, stock_pol), ("reference", ref, stock_ref)):
+            torch.testing.assert_close(ours[b].detach(), truth[2 * records], rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(ours[w].detach(), truth[2 * records + 1], rtol=0, atol=1e-5, msg=name)
+        loss = sigmoid_loss(pol[b] - ref[b], pol[w] - ref[w], 0.1)
+        stock = sigmoid_loss(stock_pol[2 * records] - stock_ref[2 * records],
+                             stock_pol[2 * records + 1] - stock_ref[2 * records + 1], 0.1)
+        assert (stock - 0.6931).abs().max() > 1e-3
+        torch.testing.assert_close(loss.detach(), stock, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("task", ["dpo", "reward"])
+def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task):
+    from prefixdpo.cli import main
+
+    out = tmp_path / "res"
+    assert main(["bench", "--quick", "--task", task, "--profiles", "shp-like,system-prompt", "--examples", "4",
+                 "--per-step", "2", "--repeats", "1", "--warmup", "0", "--length-scale", "0.08", "--threads", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    data = {p["name"]: p for p in json.loads((out / "bench.json").read_text())["profiles"]}
+    shp, system = data["shp-like"], data["system-prompt"]
+    assert GROUPED_MODE in shp["modes"] and GROUPED_MODE not in system["modes"]
+    assert shp["modes"][GROUPED_MODE]["tokens"] < shp["modes"]["shared-packed"]["tokens"]
+    assert shp["ideals"]["grouped"] > shp["ideals"]["per_record"] == pytest.approx(shp["ideal"])
+    assert shp["grouped_over_ideal"]["vs_paired_packed"] == pytest.approx(
+        shp["speedups"]["grouped_packed_vs_paired_packed"]["median"] / shp["ideals"]["grouped"])
+    assert system["ideals"]["grouped"] == system["ideals"]["per_record"] < system["ideals"]["trie"]
+    md = (out / "bench.md").read_text()
+    assert "## Records that share prompts or prefixes" in md and "| system-prompt | - | - |" in md
