@@ -14,7 +14,7 @@ zero-weight batch that still runs the model (so the engines' collectives line up
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Sequence
 
 import numpy as np
@@ -159,7 +159,7 @@ def empty_batch(pad_token_id: int = 0) -> Batch:
         "branch_ids": torch.zeros((1, 1), dtype=torch.long),
     }
     empty = {f.name: torch.zeros(0, dtype=torch.long) for f in fields(Batch)
-             if f.name not in lines and f.name != "max_sequence_length"}
+             if f.name not in lines and f.default is MISSING}  # fields with a default keep it
     return Batch(**lines, **empty, max_sequence_length=1)
 
 

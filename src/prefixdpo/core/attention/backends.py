@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask
+from prefixdpo.core.attention.masks import block_mask, dense_mask, tree_dense_mask
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
@@ -118,3 +118,26 @@ def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backen
     if backend == "sdpa":
         return dense_mask(doc_ids, branch_ids)
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
+
+
+TREE_BACKENDS = ("sdpa",)  # the backends whose mask follows tree lines (`data.tree`)
+
+
+def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
+    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend: the dense SDPA mask of the
+    tree rule, marked `follows_tree`. Every other backend refuses tree lines (its plan follows the (document,
+    branch) rule only): a ConfigError naming the backend."""
+    if backend not in TREE_BACKENDS:
+        raise ConfigError(f"attention={backend!r} does not follow tree lines yet (only {', '.join(TREE_BACKENDS)} "
+                          "does): use attention='sdpa'")
+    mask = tree_dense_mask(tree_spans)
+    mask.follows_tree = True
+    return mask
+
+
+def check_mask_follows_lines(batch, attention_mask) -> None:
+    """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
+    let each token see the wrong ones. A ConfigError in one line."""
+    if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
+        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, attention='sdpa'); "
+                          "this mask follows the (document, branch) rule")
