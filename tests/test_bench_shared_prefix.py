@@ -63,8 +63,7 @@ def test_step_ideals_count_grouping_and_the_trie_by_hand():
     # trie: [1 2] once (3 pairs); [3 4] over it (2*2 + 3 pairs) then a, b, c; [7] (2 + 1) then a, b over [1 2 7]
     trie = (forward_flops(TINY, 2, 3, 0) + forward_flops(TINY, 2 + 4, 4 + 3 + 11 + 5 + 5, 4)
             + forward_flops(TINY, 1 + 3, 2 + 1 + (2 * 3 + 3) + (3 + 1), 3)).total
-    grouped_step, _ = group_by_prompt(step)
-    assert trie_flop_count(TINY, grouped_step).total == trie
+    assert trie_flop_count(TINY, step).total == trie
     ideals = step_ideals(TINY, [step])
     assert ideals == pytest.approx({"per_record": standard / per_record, "grouped": standard / grouped,
                                     "trie": standard / trie})

@@ -2,7 +2,7 @@
 
 Exactness against STOCK separate passes (each `[prompt][response]` alone, the model's own attention): every
 response's log-prob sum within 1e-5 x max(1, largest |sum|) and every gradient entry of a DPO-shaped loss within
-1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA) and GPT-2 (learned absolute positions), for trees of
+1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA), Qwen3, Gemma and GPT-2 (learned absolute positions), for trees of
 depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a dialogue: each turn's
 prompt holds the earlier turns), packed two lines with padding, dense SDPA mask. Other backends refuse tree lines.
 About 10 s on 2 busy CPU cores.
@@ -64,6 +64,7 @@ def depth_3(g: random.Random) -> list[Example]:
     return dialogue(g, 3) + dialogue(g, 2)
 
 
+GEMMA = {"head_dim": 8, "num_key_value_heads": 1}  # its config's default head_dim (256) does not fit hidden 32
 # builder, the depth its first line reaches, the lines (example indices; two, the shorter one padded)
 CASES = {"depth-1": (depth_1, 1, [[0, 1, 2], [3, 4, 5]]), "depth-2": (depth_2, 2, [[0, 1, 3], [2]]),
          "depth-3": (depth_3, 3, [[0, 1, 2], [3, 4]])}
@@ -88,7 +89,7 @@ def test_a_tree_line_lays_shared_tokens_once_at_their_depth():
     assert mask[10].nonzero().flatten().tolist() == [10]  # padding: itself only
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_tree_lines_match_stock_separate_passes(arch, case):
     build, depth, lines = CASES[case]
@@ -97,7 +98,7 @@ def test_tree_lines_match_stock_separate_passes(arch, case):
     batch = build_tree_batch(examples, lines, pad_multiple=8)
     assert batch.num_real_tokens < sum(ex.unshared_length for ex in examples)  # it shares something
     assert (batch.doc_ids == -1).any()  # and pads
-    model = tiny_model(arch)
+    model = tiny_model(arch, **GEMMA if arch == "gemma" else {})
 
     def grads():
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -37,7 +37,6 @@ __all__ = [
     "standard_flops",
     "shared_flops",
     "ideal_speedup",
-    "common_prefix_length",
     "trie_flop_count",
     "step_ideals",
 ]
@@ -220,32 +219,21 @@ def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Seq
     return std / shared
 
 
-def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens every one of `prompts` starts with (0 for fewer than two prompts)."""
-    if len(prompts) < 2:
-        return 0
-    shortest = min(len(p) for p in prompts)
-    n = 0
-    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
-
-
 def trie_flop_count(shape: ModelShape, examples: Sequence[Example]) -> FlopCount:
-    """One line of `examples` as a token trie of depth 2: the leading run S every prompt shares (a system prompt)
-    once, causal; then each example's prompt rest (P - S tokens) over S and itself, causal, and each response over
-    its whole prompt and itself. What a token trie across records would compute (not built yet: issue 20 item 2).
+    """One line of `examples` as a token trie (`data.tree.tree_line`): every token their sequences share with all
+    the tokens before it once; each token attends to itself and its ancestors (depth + 1 pairs); the LM head
+    once per distinct response-token node (a response two records name, once). What a line of a token trie across
+    records computes (the dense SDPA mask runs it; not in training yet)."""
+    from prefixdpo.data.tree import tree_line
 
-    examples: the line's examples, each prompt once (grouped by prompt: `data.grouping.group_by_prompt`).
-    """
-    s = common_prefix_length([ex.prompt_ids for ex in examples])
-    count = forward_flops(shape, s, s * (s + 1) // 2, 0)
+    line = tree_line(examples)
+    sequences = iter(line.sequences)
+    targets = set()  # response-token nodes: as `shared_flop_count`, the head once per distinct response token
     for ex in examples:
-        p, responses = _lengths(ex)
-        rest = p - s
-        pairs = rest * s + rest * (rest + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in responses)
-        count = count + forward_flops(shape, rest + sum(responses), pairs, sum(responses))
-    return count
+        p = len(ex.prompt_ids)
+        for _ in ex.response_ids:
+            targets.update(next(sequences)[p:])
+    return forward_flops(shape, len(line), sum(d + 1 for d in line.position_ids), len(targets))
 
 
 def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None) -> dict[str, float]:
@@ -253,7 +241,7 @@ def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None
 
     per_record: each record its own prefix-shared row (`ideal_speedup`);
     grouped:    a step's records of one prompt in one row (`group_by_prompt`), each distinct response once;
-    trie:       the grouped rows of a step in one line sharing their common leading run once (`trie_flop_count`).
+    trie:       a step's records in one line as a token trie (`trie_flop_count`).
 
     keep: FlopCount -> FlopCount applied to every count (a reward model drops the LM head); None = all of it.
     """
@@ -266,7 +254,7 @@ def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None
         totals["standard"] += sum(keep(standard_flop_count(shape, ex)).total for ex in step)
         totals["per_record"] += sum(keep(shared_flop_count(shape, ex)).total for ex in step)
         totals["grouped"] += sum(keep(shared_flop_count(shape, ex)).total for ex in grouped)
-        totals["trie"] += keep(trie_flop_count(shape, grouped)).total
+        totals["trie"] += keep(trie_flop_count(shape, step)).total
     if totals["per_record"] == 0:
         raise UserError("step_ideals: empty workload (no examples)")
     return {name: totals["standard"] / totals[name] for name in ("per_record", "grouped", "trie")}
