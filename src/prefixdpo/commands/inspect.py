@@ -119,10 +119,29 @@ def run(args) -> int:
         grouped_speedup = ideal_speedup(shape, prepared.examples, shared_rows=grouped)
     stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name,
                           grouped=grouped, grouped_speedup=grouped_speedup)
+    stats = _with_trie(stats, prepared.examples, grouped, shape)
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
     return 0
+
+
+def _with_trie(stats, examples, grouped, shape):
+    """`stats` with what a token trie across records would run: the grouped rows packed in order into lines of
+    the pack length, each line one trie (`data.tree`), and its FLOP-model speedup over standard DPO."""
+    import dataclasses
+
+    from prefixdpo.data.tree import lines_in_order, tree_line
+
+    lines = [[grouped[i] for i in line] for line in lines_in_order(grouped, stats.pack_length)]
+    speedup = None
+    if shape is not None:
+        from prefixdpo.bench.flops import standard_flops, trie_flop_count
+
+        speedup = (sum(standard_flops(shape, ex) for ex in examples)
+                   / sum(trie_flop_count(shape, line).total for line in lines))
+    return dataclasses.replace(stats, trie_lines=len(lines), trie_tokens=sum(len(tree_line(line)) for line in lines),
+                               trie_speedup=speedup)
 
 
 def _draw_first_line(examples, pack_length: int, path: str):

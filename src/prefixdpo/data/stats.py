@@ -4,7 +4,8 @@
 - prompt/response ratio: median over examples of P / mean_k R_k (the paper's "prompt/completion ratio");
 - token saving: 1 - shared / unshared tokens, where a shared row is P + sum_k R_k and standard DPO runs
   sum_k (P + R_k); and, apart, what `group_by_prompt` saves on top (one row per prompt, each distinct response
-  once: 1 - grouped / shared tokens);
+  once: 1 - grouped / shared tokens) and what a token trie across records would save on top of that (each line's
+  shared leading tokens once, `data.tree`);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
 - predicted speedup: the useful-FLOP model of `prefixdpo.bench.flops` (body matmuls + allowed attention pairs + LM
@@ -58,11 +59,30 @@ class DataStats:
     grouped_rows: int | None = None
     grouped_tokens: int | None = None
     grouped_speedup: float | None = None
+    trie_lines: int | None = None
+    trie_tokens: int | None = None
+    trie_speedup: float | None = None
 
     @property
     def token_saving(self) -> float:
         """1 - shared / unshared tokens: the fraction of standard DPO's tokens prefix sharing does not run."""
         return 1.0 - self.shared_tokens / self.unshared_tokens
+
+    def _beyond_records(self) -> list[str]:
+        """The lines of what group_by_prompt, then a token trie, would save on top of per-record sharing."""
+        lines = []
+        if self.grouped_tokens is not None:
+            lines.append(
+                f"                    {self.grouping_saving:.1%} more by group_by_prompt ({self.examples} records -> "
+                f"{self.grouped_rows} rows, {self.grouped_tokens} tokens): "
+                f"{1.0 - self.grouped_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
+        if self.trie_tokens is not None and self.grouped_tokens is not None:
+            lines.append(
+                f"                    {1.0 - self.trie_tokens / self.grouped_tokens:.1%} more by a token trie across "
+                f"records (not in training yet; the grouped rows packed in order into {self.trie_lines} lines of "
+                f"{self.pack_length}, each line's shared leading tokens once: {self.trie_tokens} tokens): "
+                f"{1.0 - self.trie_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
+        return lines
 
     @property
     def grouping_saving(self) -> float:
@@ -79,14 +99,10 @@ class DataStats:
             f"prompt/response     median ratio {self.prompt_response_ratio:.2f}",
             f"tokens saved        {self.token_saving:.1%} vs standard DPO by per-record sharing "
             f"({self.shared_tokens} shared vs {self.unshared_tokens} unshared tokens)",
+            *self._beyond_records(),
             f"packing             {self.packing_efficiency:.1%} efficient at pack length {self.pack_length} "
             f"({self.packs} packs)",
         ]
-        if self.grouped_tokens is not None:
-            lines.append(
-                f"                    {self.grouping_saving:.1%} more by group_by_prompt ({self.examples} records -> "
-                f"{self.grouped_rows} rows, {self.grouped_tokens} tokens): "
-                f"{1.0 - self.grouped_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
         if self.rows_over_pack_length:
             lines.append(
                 f"                    {self.rows_over_pack_length} rows exceed the pack length "
@@ -103,6 +119,9 @@ class DataStats:
                 f"                    {self.grouped_speedup:.2f}x with group_by_prompt "
                 f"({self.grouped_speedup / self.speedup:.2f}x from grouping alone)"
             )
+        if self.speedup is not None and self.trie_speedup is not None:
+            lines.append(f"                    {self.trie_speedup:.2f}x with a token trie across records (not in "
+                         "training yet)")
         return "\n".join(lines)
 
 

@@ -164,3 +164,18 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
         max_sequence_length=max(len(ex.prompt_ids) + len(r) for ex in examples for r in ex.response_ids),
         tree_spans=spans,
     )
+
+
+def lines_in_order(examples: Sequence[Example], pack_length: int) -> list[list[int]]:
+    """Consecutive examples into lines whose prefix-shared rows together fit `pack_length` (next fit, in order;
+    a row longer than that alone in its line): the lines a token trie would share tokens within, as `inspect`
+    estimates it."""
+    lines: list[list[int]] = []
+    room = 0
+    for i, ex in enumerate(examples):
+        if not lines or ex.shared_length > room:
+            lines.append([])
+            room = pack_length
+        lines[-1].append(i)
+        room -= ex.shared_length
+    return lines
