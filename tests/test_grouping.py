@@ -278,8 +278,10 @@ def test_stats_and_inspect_report_sharing_and_grouping_apart(tmp_path, capsys):
     system = tmp_path / "system.jsonl"
     system.write_text("".join(json.dumps({"prompt": f"SYSTEM: answer briefly and kindly. USER: question {i}?",
                                           "chosen": " yes", "rejected": " no"}) + "\n" for i in range(6)))
-    assert main(["inspect", str(system), "--tokenizer", str(tokenizer_dir)]) == 0
+    png = tmp_path / "mask.png"
+    assert main(["inspect", str(system), "--tokenizer", str(tokenizer_dir), "--show-mask", str(png)]) == 0
     out = capsys.readouterr().out
+    assert (tmp_path / "mask-trie.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "token-trie line" in out
     assert "0.0% more by group_by_prompt (6 records -> 6 rows" in out
     trie_line = next(line for line in out.splitlines() if "more by a token trie across records" in line)
     assert float(trie_line.split("%")[0]) > 30 and "with a token trie across records" in out

@@ -133,3 +133,17 @@ def test_lines_in_order_fill_lines_next_fit_and_keep_a_long_row_alone():
     rows = [Example((1,) * p, ((2,), (3,)), ((0, 1),)) for p in (4, 3, 8, 1, 2)]  # rows of 6, 5, 10, 3, 4 tokens
     assert lines_in_order(rows, 11) == [[0, 1], [2], [3, 4]]
     assert lines_in_order(rows, 9) == [[0], [1], [2], [3, 4]]  # the 10-token row alone, over the length
+
+
+def test_the_mask_picture_draws_a_tree_line(tmp_path):
+    """The hand example's line (test above): keys on the way to 2+ leaves in the prompt colour, a key with one
+    leaf below in a branch colour, forbidden cells white, padding grey."""
+    from prefixdpo.core.attention.draw import MASK_COLOURS, draw_mask, mask_image
+
+    examples = [Example((1, 2, 3), ((5, 6), (7,)), ((0, 1),)), Example((1, 2, 4), ((5,), (7,)), ((0, 1),))]
+    batch = build_tree_batch(examples, pad_multiple=4)
+    img = mask_image(batch)
+    assert tuple(img[4, 2]) == MASK_COLOURS["prompt"]  # query 6 over key 3: 3 leads to the leaves 6 and 7
+    assert tuple(img[4, 3]) in map(tuple, MASK_COLOURS["branches"])  # key 5 (row 3) leads to leaf 6 only
+    assert tuple(img[4, 6]) == MASK_COLOURS["forbidden"] and tuple(img[10, 2]) == MASK_COLOURS["padding"]
+    assert draw_mask(batch, tmp_path / "tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

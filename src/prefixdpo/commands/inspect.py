@@ -123,6 +123,8 @@ def run(args) -> int:
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
+        if stats.trie_tokens < stats.shared_tokens:
+            print(f"attention mask of one token-trie line written to {_draw_first_tree_line(grouped, stats.pack_length, args.show_mask)}")
     return 0
 
 
@@ -142,6 +144,19 @@ def _with_trie(stats, examples, grouped, shape):
                    / sum(trie_flop_count(shape, line).total for line in lines))
     return dataclasses.replace(stats, trie_lines=len(lines), trie_tokens=sum(len(tree_line(line)) for line in lines),
                                trie_speedup=speedup)
+
+
+def _draw_first_tree_line(grouped, pack_length: int, path: str):
+    """Draw the first line of a token trie across records (`_with_trie`'s lines) beside `path`: NAME-trie.png."""
+    from pathlib import Path
+
+    from prefixdpo.core.attention.draw import draw_mask
+    from prefixdpo.data.tree import build_tree_batch, lines_in_order
+
+    first = [grouped[i] for i in lines_in_order(grouped, pack_length)[0]]
+    target = Path(path)
+    return draw_mask(build_tree_batch(first), target.with_name(f"{target.stem}-trie{target.suffix}"),
+                     title="token trie across records (not in training yet)")
 
 
 def _draw_first_line(examples, pack_length: int, path: str):
