@@ -1,5 +1,6 @@
 """Shared-prefix bench profiles (`shp-like`: several pair records per post; `system-prompt`: one system prompt in
-front of every record), the grouped-packed mode (`--group_by_prompt`) and their FLOP ideals.
+front of every record; `multi-turn`: a pair at each turn of a dialogue), the grouped-packed mode
+(`--group_by_prompt`) and their FLOP ideals.
 
 The grouped mode's per-pair losses and log-prob sums equal STOCK separate passes (each `[prompt][response]` alone,
 the model's own attention), fp32 atol 1e-5 (sums of ~5-10 token log-probs), on the dense mask with bin-packed
@@ -30,7 +31,7 @@ from prefixdpo.dpo.losses import sigmoid_loss
 TINY = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
 
 
-def test_shp_like_posts_hold_several_pairs_over_shared_comments_and_system_prompt_records_share_it():
+def test_shared_prefix_profiles_shp_like_system_prompt_and_multi_turn():
     records = shared_prefix_examples("shp-like", 6, vocab_size=1000, seed=3)
     assert records == shared_prefix_examples("shp-like", 6, vocab_size=1000, seed=3)  # deterministic
     posts = {}
@@ -49,6 +50,16 @@ def test_shp_like_posts_hold_several_pairs_over_shared_comments_and_system_promp
     assert len(records) == 5 and len({ex.prompt_ids for ex in records}) == 5
     assert len({ex.prompt_ids[:system.system_length] for ex in records}) == 1
     assert len({ex.prompt_ids[:system.system_length + 1] for ex in records}) == 5
+
+    records = shared_prefix_examples("multi-turn", 4, vocab_size=1000, seed=1)
+    dialogues = {}
+    for ex in records:
+        dialogues.setdefault(ex.meta["prompt"], []).append(ex)
+    for turns in dialogues.values():
+        assert 3 <= len(turns) <= 5 and [ex.meta["turn"] for ex in turns] == list(range(len(turns)))
+        for before, after in zip(turns, turns[1:]):  # the next prompt: this one, its preferred response, a message
+            seen = before.prompt_ids + before.response_ids[0]
+            assert after.prompt_ids[:len(seen)] == seen and 30 <= len(after.prompt_ids) - len(seen) <= 150
 
 
 def test_step_ideals_count_grouping_and_the_trie_by_hand():
@@ -117,7 +128,7 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     from prefixdpo.cli import main
 
     out = tmp_path / "res"
-    assert main(["bench", "--quick", "--task", task, "--profiles", "shp-like,system-prompt", "--examples", "4",
+    assert main(["bench", "--quick", "--task", task, "--profiles", "shp-like,system-prompt,multi-turn", "--examples", "4",
                  "--per-step", "2", "--repeats", "1", "--warmup", "0", "--length-scale", "0.08", "--threads", "1",
                  "--out", str(out), "--no-progress"]) == 0
     data = {p["name"]: p for p in json.loads((out / "bench.json").read_text())["profiles"]}
@@ -127,6 +138,7 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     assert shp["ideals"]["grouped"] > shp["ideals"]["per_record"] == pytest.approx(shp["ideal"])
     assert shp["grouped_over_ideal"]["vs_paired_packed"] == pytest.approx(
         shp["speedups"]["grouped_packed_vs_paired_packed"]["median"] / shp["ideals"]["grouped"])
-    assert system["ideals"]["grouped"] == system["ideals"]["per_record"] < system["ideals"]["trie"]
+    for other in (system, data["multi-turn"]):  # no prompt repeats: only a trie shares more
+        assert other["ideals"]["grouped"] == other["ideals"]["per_record"] < other["ideals"]["trie"]
     md = (out / "bench.md").read_text()
     assert "## Records that share prompts or prefixes" in md and "| system-prompt | - | - |" in md

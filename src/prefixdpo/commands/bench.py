@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--profiles", default=None,
                    help="comma-separated synthetic profiles (default: all six of the paper, the multi-response one "
                         "and the shared-prefix ones, shp-like (5-10 pair records per post; adds the grouped-packed "
-                        "mode, --group_by_prompt) and system-prompt; --task grpo: math-like, long-context, "
+                        "mode, --group_by_prompt), system-prompt and multi-turn; --task grpo: math-like, long-context, "
                         "math-like-g16)")
     p.add_argument("--dataset", default=None, help="a real preference dataset instead of synthetic profiles")
     p.add_argument("--tokenizer", default=None, help="tokenizer for --dataset (default: --model's)")
@@ -127,8 +127,8 @@ def _workloads(args, settings, vocab_size: int):
 
 def _workload(name: str, profile, settings, vocab_size: int, seed: int):
     """The workload of one profile. A shared-prefix profile counts prompts: `examples` of them and `per_step` per
-    step, halved where a prompt holds several pair records (an shp-like post holds 5-10), so its steps stay near
-    the other profiles' size."""
+    step, halved where a prompt holds several pair records (an shp-like post holds 5-10, a multi-turn dialogue
+    3-5), so its steps stay near the other profiles' size."""
     from prefixdpo.bench.workloads import shared_prefix_workload, synthetic_workload
     from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
 
@@ -136,7 +136,7 @@ def _workload(name: str, profile, settings, vocab_size: int, seed: int):
     if name not in SHARED_PREFIX_PROFILES:
         return synthetic_workload(name, settings["examples"], settings["per_step"], vocab_size=vocab_size, seed=seed,
                                   length_scale=scale)
-    several = profile.pairs_per_prompt[1] > 1
+    several = profile.pairs_per_prompt[1] > 1 or profile.turns[1] > 1
     prompts = max(2, settings["examples"] // 2) if several else settings["examples"]
     per_step = max(1, settings["per_step"] // 2) if several else settings["per_step"]
     return shared_prefix_workload(name, prompts, per_step, vocab_size=vocab_size, seed=seed, length_scale=scale)

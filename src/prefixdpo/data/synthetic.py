@@ -20,9 +20,10 @@ pairs = 6 `[prompt][response]` sequences (the best response 3 times). The paper 
 
 `SHARED_PREFIX_PROFILES` are records that share more than one record's prompt (none is in the paper):
 `shp-like` (SHP: Reddit posts of ~150-400 tokens, each with 5-10 comment pairs, one pair per record, drawn among
-a few comments of the post, so a comment appears in several records), and `system-prompt` (every record behind the
-same ~300-token system prompt, then its own HH-like user prompt and two responses). Records are listed prompt by
-prompt. Their assumptions (ours): prompts uniform in the range, responses lognormal around their median.
+a few comments of the post, so a comment appears in several records), `system-prompt` (every record behind the
+same ~300-token system prompt, then its own HH-like user prompt and two responses) and `multi-turn` (3-5-turn
+dialogues, a pair at each turn: each turn's prompt holds the earlier turns). Records are listed prompt by prompt
+(dialogue by dialogue). Their assumptions (ours): prompts uniform in the range, responses lognormal around their median.
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ class SharedPrefixProfile:
     pairs_per_prompt:    (lo, hi) records (one pair each) per prompt, each a different two of its responses (at
                          most all of them), better one drawn at random.
     system_length:       tokens of one system prompt in front of every prompt (0: none).
+    turns:               (lo, hi) turns of a dialogue: each turn's prompt is the last turn's prompt, the preferred
+                         response of its first record and a new user message (`prompt_range` tokens); (1, 1): none.
     """
 
     name: str
@@ -225,11 +228,15 @@ class SharedPrefixProfile:
     pairs_per_prompt: tuple[int, int] = (1, 1)
     system_length: int = 0
     sigma: float = 0.5
+    turns: tuple[int, int] = (1, 1)
 
     @property
     def median_total(self) -> float:
-        """System prompt + a middle prompt + one response: what `bench`'s auto length scale compares."""
-        return self.system_length + sum(self.prompt_range) / 2 + self.median_response
+        """System prompt + a middle prompt + one response, what `bench`'s auto length scale compares; in a dialogue
+        the middle turn's prompt, which holds the user messages and responses of the turns before it."""
+        middle = (sum(self.turns) / 2 + 1) / 2  # turns up to the middle one of a middle-length dialogue
+        return (self.system_length + middle * sum(self.prompt_range) / 2 + (middle - 1) * self.median_response
+                + self.median_response)
 
     def scaled(self, scale: float) -> "SharedPrefixProfile":
         """Every length times `scale` (counts of responses and pairs unchanged)."""
@@ -244,6 +251,7 @@ SHARED_PREFIX_PROFILES: dict[str, SharedPrefixProfile] = {
     for p in (
         SharedPrefixProfile("shp-like", (150, 400), 80.0, responses_per_prompt=(4, 7), pairs_per_prompt=(5, 10)),
         SharedPrefixProfile("system-prompt", (40, 200), 60.0, system_length=300),
+        SharedPrefixProfile("multi-turn", (30, 150), 120.0, turns=(3, 5)),
     )
 }
 
@@ -270,16 +278,25 @@ def shared_prefix_examples(profile: SharedPrefixProfile | str, n_prompts: int, *
     def response_length() -> int:
         return max(1, int(round(rng.lognormal(math.log(profile.median_response), profile.sigma))))
 
+    def user_message() -> tuple[int, ...]:
+        return tokens(rng.integers(profile.prompt_range[0], profile.prompt_range[1] + 1))
+
     system = tokens(profile.system_length)
     out: list[Example] = []
     for prompt_number in range(n_prompts):
-        prompt = system + tokens(rng.integers(profile.prompt_range[0], profile.prompt_range[1] + 1))
-        k = int(rng.integers(profile.responses_per_prompt[0], profile.responses_per_prompt[1] + 1))
-        responses = [tokens(response_length()) for _ in range(k)]
-        candidates = [(i, j) for i in range(k) for j in range(i + 1, k)]
-        n_pairs = min(len(candidates), int(rng.integers(profile.pairs_per_prompt[0], profile.pairs_per_prompt[1] + 1)))
-        for choice in rng.choice(len(candidates), size=n_pairs, replace=False).tolist():
-            i, j = candidates[choice] if rng.random() < 0.5 else candidates[choice][::-1]  # which one was preferred
-            out.append(Example(prompt, (responses[i], responses[j]), ((0, 1),), len(out),
-                               {"profile": profile.name, "prompt": prompt_number}))
+        prompt = system + user_message()
+        lo, hi = profile.turns
+        for turn in range(lo if lo == hi else int(rng.integers(lo, hi + 1))):
+            if turn:  # the dialogue goes on after the preferred response of the last turn's first record
+                prompt = prompt + out[-n_pairs].response_ids[0] + user_message()
+            k = int(rng.integers(profile.responses_per_prompt[0], profile.responses_per_prompt[1] + 1))
+            responses = [tokens(response_length()) for _ in range(k)]
+            candidates = [(i, j) for i in range(k) for j in range(i + 1, k)]
+            n_pairs = min(len(candidates), int(rng.integers(*profile.pairs_per_prompt, endpoint=True)))
+            for choice in rng.choice(len(candidates), size=n_pairs, replace=False).tolist():
+                i, j = candidates[choice] if rng.random() < 0.5 else candidates[choice][::-1]  # which one was preferred
+                meta = {"profile": profile.name, "prompt": prompt_number}
+                if hi > 1:
+                    meta["turn"] = turn
+                out.append(Example(prompt, (responses[i], responses[j]), ((0, 1),), len(out), meta))
     return out
