@@ -128,9 +128,9 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     from prefixdpo.cli import main
 
     out = tmp_path / "res"
-    assert main(["bench", "--quick", "--task", task, "--profiles", "shp-like,system-prompt,multi-turn", "--examples", "4",
-                 "--per-step", "2", "--repeats", "1", "--warmup", "0", "--length-scale", "0.08", "--threads", "1",
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(["bench", "--quick", "--task", task, "--profiles", "shp-like,system-prompt,multi-turn",
+                 "--examples", "4", "--per-step", "2", "--repeats", "1", "--warmup", "0", "--length-scale", "0.08",
+                 "--threads", "1", "--out", str(out), "--no-progress"]) == 0
     data = {p["name"]: p for p in json.loads((out / "bench.json").read_text())["profiles"]}
     shp, system = data["shp-like"], data["system-prompt"]
     assert GROUPED_MODE in shp["modes"] and GROUPED_MODE not in system["modes"]

@@ -2,10 +2,10 @@
 
 Exactness against STOCK separate passes (each `[prompt][response]` alone, the model's own attention): every
 response's log-prob sum within 1e-5 x max(1, largest |sum|) and every gradient entry of a DPO-shaped loss within
-1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA), Qwen3, Gemma and GPT-2 (learned absolute positions), for trees of
-depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a dialogue: each turn's
-prompt holds the earlier turns), packed two lines with padding, dense SDPA mask. Other backends refuse tree lines.
-About 10 s on 2 busy CPU cores.
+1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA), Qwen3, Gemma and GPT-2 (learned absolute positions),
+for trees of depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a
+dialogue: each turn's prompt holds the earlier turns), packed two lines with padding, dense SDPA mask. Other
+backends refuse tree lines. About 25 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations

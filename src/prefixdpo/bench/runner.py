@@ -31,7 +31,7 @@ from prefixdpo.bench.workloads import Workload
 from prefixdpo.bench.flops import ModelShape, ideal_speedup, step_ideals
 from prefixdpo.data.grouping import group_by_prompt
 
-__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
+__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload", "workload_modes"]
 
 # (faster mode, baseline mode, key): the paper's two tables, and prefix sharing + packing over TRL's default.
 SPEEDUPS = (
@@ -115,6 +115,12 @@ class ProfileResult:
                 "vs_shared_packed": self.speedups["grouped_packed_vs_shared_packed"].median / alone}
 
 
+def workload_modes(workload: Workload, modes=MODES) -> tuple[str, ...]:
+    """`modes`, and the grouped mode where a step of the workload holds several records of one prompt."""
+    repeated = any(len({workload.examples[i].prompt_ids for i in group}) < len(group) for group in workload.groups)
+    return tuple(modes) + ((GROUPED_MODE,) if repeated and GROUPED_MODE not in modes else ())
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -143,12 +149,9 @@ def run_workload(
     dev = torch.device(device)
     examples = workload.examples
     steps = [[examples[i] for i in group] for group in workload.groups]
-    grouped = [group_by_prompt(step)[0] for step in steps]
-    if sum(map(len, grouped)) < len(examples):  # some step holds several records of one prompt
-        modes = tuple(modes) + (GROUPED_MODE,)
-    else:
-        grouped = []
-    pack_length = None if line_per_step else common_pack_length(examples, grouped=[g for gs in grouped for g in gs])
+    modes = workload_modes(workload, modes)
+    grouped = [g for step in steps for g in group_by_prompt(step)[0]] if GROUPED_MODE in modes else []
+    pack_length = None if line_per_step else common_pack_length(examples, grouped=grouped)
     bucketed = dev.type == "cuda"
 
     batches: dict[str, list] = {}

@@ -102,7 +102,8 @@ def shared_prefix_workload(name: str, n_prompts: int, prompts_per_step: int, *, 
     examples = shared_prefix_examples(profile.scaled(length_scale), n_prompts, vocab_size=vocab_size, seed=seed)
     groups: list[list[int]] = []
     for i, ex in enumerate(examples):
-        if not groups or ex.meta["prompt"] // prompts_per_step != examples[groups[-1][0]].meta["prompt"] // prompts_per_step:
+        step = ex.meta["prompt"] // prompts_per_step
+        if not groups or step != examples[groups[-1][0]].meta["prompt"] // prompts_per_step:
             groups.append([])
         groups[-1].append(i)
     return Workload(name, examples, groups, profile, length_scale)

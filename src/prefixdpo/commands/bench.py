@@ -163,9 +163,8 @@ def run(args) -> int:
     from prefixdpo.bench.chart import plot_results
     from prefixdpo.bench.memory import PeakMemory
     from prefixdpo.bench.model import SHAPES, build_models
-    from prefixdpo.bench.modes import MODES
     from prefixdpo.bench.report import markdown_report, to_json
-    from prefixdpo.bench.runner import run_workload
+    from prefixdpo.bench.runner import run_workload, workload_modes
     from prefixdpo.bench.step import DPOStep
 
     cuda = args.device.startswith("cuda")
@@ -200,7 +199,7 @@ def run(args) -> int:
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
-    steps = sum(len(w.groups) for w in workloads) * (settings["warmup"] + settings["repeats"]) * len(MODES)
+    steps = sum(len(w.groups) * len(workload_modes(w)) for w in workloads) * (settings["warmup"] + settings["repeats"])
     results = []
     t0 = time.perf_counter()
     with tqdm(total=steps, unit="step", disable=args.no_progress) as bar:

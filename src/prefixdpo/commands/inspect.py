@@ -124,7 +124,8 @@ def run(args) -> int:
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
         if stats.trie_tokens < stats.shared_tokens:
-            print(f"attention mask of one token-trie line written to {_draw_first_tree_line(grouped, stats.pack_length, args.show_mask)}")
+            drawn = _draw_first_tree_line(grouped, stats.pack_length, args.show_mask)
+            print(f"attention mask of one token-trie line written to {drawn}")
     return 0
 
 

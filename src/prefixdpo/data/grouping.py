@@ -22,7 +22,7 @@ that differs from its group's is kept apart, ungrouped, and counted (`GroupRepor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from prefixdpo.data.example import Example

@@ -154,7 +154,8 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
     worse = [offset[e] + j for e, ex in enumerate(examples) for _, j in ex.pairs]
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return Batch(
-        input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids, branch_ids=torch.zeros((B, L), dtype=torch.long),
+        input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids,
+        branch_ids=torch.zeros((B, L), dtype=torch.long),
         target_line=as_long(t_line), target_col=as_long(t_col), target_ids=as_long(t_ids),
         target_response=as_long(t_resp),
         response_lengths=as_long([len(r) for ex in examples for r in ex.response_ids]),
