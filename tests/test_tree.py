@@ -4,8 +4,8 @@ Exactness against STOCK separate passes (each `[prompt][response]` alone, the mo
 response's log-prob sum within 1e-5 x max(1, largest |sum|) and every gradient entry of a DPO-shaped loss within
 1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA), Qwen3, Gemma and GPT-2 (learned absolute positions),
 for trees of depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a
-dialogue: each turn's prompt holds the earlier turns), packed two lines with padding, dense SDPA mask. Other
-backends refuse tree lines. About 25 s on 2 busy CPU cores.
+dialogue: each turn's prompt holds the earlier turns), packed two lines with padding, on the dense SDPA mask and on the segment plan cut
+along the tree. flex and varlen refuse tree lines. About 40 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def test_a_tree_line_lays_shared_tokens_once_at_their_depth():
     assert mask[10].nonzero().flatten().tolist() == [10]  # padding: itself only
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "segmented"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_tree_lines_match_stock_separate_passes(arch, case):
+def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     build, depth, lines = CASES[case]
     examples = build(random.Random(len(arch)))
     assert tree_line([examples[e] for e in lines[0]]).depth == depth
@@ -108,8 +109,8 @@ def test_tree_lines_match_stock_separate_passes(arch, case):
     dpo_loss(stock, batch.pair_better, batch.pair_worse).backward()
     stock_grads = grads().clone()
     model.zero_grad(set_to_none=True)
-    prepare_model(model, "sdpa")
-    ours = compute_response_logps(model, batch, build_tree_attention_mask(batch.tree_spans, "sdpa")).sums
+    prepare_model(model, backend)
+    ours = compute_response_logps(model, batch, build_tree_attention_mask(batch.tree_spans, backend)).sums
     dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
     scale = max(1.0, stock.detach().abs().max().item())
     assert (ours.detach() - stock.detach()).abs().max().item() <= 1e-5 * scale
@@ -120,7 +121,7 @@ def test_tree_lines_match_stock_separate_passes(arch, case):
 def test_backends_that_do_not_follow_trees_refuse_tree_lines():
     examples = depth_2(random.Random(0))
     batch = build_tree_batch(examples)
-    for backend in ("segmented", "flex", "varlen"):
+    for backend in ("flex", "varlen"):
         with pytest.raises(ConfigError, match=f"attention='{backend}' does not follow tree lines yet"):
             build_tree_attention_mask(batch.tree_spans, backend)
     model = tiny_model("llama")
@@ -147,3 +148,14 @@ def test_the_mask_picture_draws_a_tree_line(tmp_path):
     assert tuple(img[4, 3]) in map(tuple, MASK_COLOURS["branches"])  # key 5 (row 3) leads to leaf 6 only
     assert tuple(img[4, 6]) == MASK_COLOURS["forbidden"] and tuple(img[10, 2]) == MASK_COLOURS["padding"]
     assert draw_mask(batch, tmp_path / "tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_segment_plan_cuts_a_tree_line_into_its_runs():
+    """The hand example's line [1 2 3 5 6 7 4 5 7]: the first path [1 2 3 5 6] is one causal segment; 7 (after
+    [1 2 3]), [4 5] (after [1 2]) and 7 (after [1 2 4]) each go over their gathered ancestors."""
+    from prefixdpo.core.attention.segments import _tree_segments
+
+    examples = [Example((1, 2, 3), ((5, 6), (7,)), ((0, 1),)), Example((1, 2, 4), ((5,), (7,)), ((0, 1),))]
+    batch = build_tree_batch(examples, pad_multiple=4)
+    assert _tree_segments(batch.tree_spans) == [
+        ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4]), ([5], [0, 1, 2, 5]), ([6, 7], [0, 1, 6, 7]), ([8], [0, 1, 6, 8])]

@@ -120,19 +120,32 @@ def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backen
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
 
 
-TREE_BACKENDS = ("sdpa",)  # the backends whose mask follows tree lines (`data.tree`)
+TREE_BACKENDS = ("sdpa", "segmented")  # the backends whose mask follows tree lines (`data.tree`)
 
 
 def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
-    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend: the dense SDPA mask of the
-    tree rule, marked `follows_tree`. Every other backend refuses tree lines (its plan follows the (document,
-    branch) rule only): a ConfigError naming the backend."""
+    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend, marked `follows_tree`: the
+    dense SDPA mask of the tree rule, or the segment plan cut along the tree. flex and varlen refuse tree lines
+    (their mask_mod and plan follow the (document, branch) rule only): a ConfigError naming the backend."""
     if backend not in TREE_BACKENDS:
         raise ConfigError(f"attention={backend!r} does not follow tree lines yet (only {', '.join(TREE_BACKENDS)} "
-                          "does): use attention='sdpa'")
-    mask = tree_dense_mask(tree_spans)
+                          "do): use attention='sdpa' or 'segmented'")
+    if backend == "segmented":
+        lines = torch.zeros(tree_spans.shape[:2], dtype=torch.long, device=tree_spans.device)  # [B, L]: the shape
+        plan = build_segment_plan(lines, lines, tree_spans=tree_spans)
+        mask = segment_plan_mask(plan, tree_spans.device)
+    else:
+        mask = tree_dense_mask(tree_spans)
     mask.follows_tree = True
     return mask
+
+
+def batch_attention_mask(batch, backend: str):
+    """The mask of `batch` (a `data.batch.Batch`) for a resolved backend: its tree's for tree lines, else the
+    (document, branch) rule's (`build_attention_mask`)."""
+    if batch.is_tree:
+        return build_tree_attention_mask(batch.tree_spans, backend)
+    return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
 
 
 def check_mask_follows_lines(batch, attention_mask) -> None:
