@@ -17,9 +17,10 @@ import torch
 from conftest import tiny_model
 from prefixdpo.bench.flops import ModelShape, forward_flops, shared_flop_count, standard_flop_count, step_ideals, \
     trie_flop_count
-from prefixdpo.bench.modes import GROUPED_MODE, common_pack_length, layout_group
+from prefixdpo.bench.modes import GROUPED_MODE, TRIE_MODE, common_pack_length, layout_group
+from prefixdpo.bench.runner import workload_modes
 from prefixdpo.bench.workloads import shared_prefix_workload
-from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import separate_pass_logps
@@ -86,14 +87,20 @@ def test_step_ideals_count_grouping_and_the_trie_by_hand():
 
 @pytest.mark.parametrize("backend,line_per_step", [("sdpa", False), ("segmented", True)],
                          ids=["dense-binpacked", "segmented-one-line"])
-def test_grouped_mode_matches_stock_separate_passes(backend, line_per_step):
-    workload = shared_prefix_workload("shp-like", 2, 1, vocab_size=96, seed=1, length_scale=0.05)
+@pytest.mark.parametrize("profile,mode", [("shp-like", GROUPED_MODE), ("multi-turn", TRIE_MODE),
+                                          ("system-prompt", TRIE_MODE)])
+def test_grouped_and_trie_modes_match_stock_separate_passes(profile, mode, backend, line_per_step):
+    """Each step's records (shp-like: a post's pair records; multi-turn: a dialogue; system-prompt: records behind
+    one system prompt) in the mode's layout: every pair's log-prob sums and sigmoid loss equal stock passes."""
+    per_step = 4 if profile == "system-prompt" else 1
+    workload = shared_prefix_workload(profile, 2 * per_step, per_step, vocab_size=96, seed=1, length_scale=0.05)
     policy, reference = tiny_model("llama"), tiny_model("llama")
     with torch.no_grad():  # a reference that differs from the policy, so the losses are not all log(2)
         for p in reference.parameters():
             p.mul_(0.9)
     steps = [[workload.examples[i] for i in group] for group in workload.groups]
-    assert len(steps) == 2 and all(len({ex.prompt_ids for ex in step}) == 1 and len(step) >= 5 for step in steps)
+    assert len(steps) == 2 and all(len(step) >= 3 for step in steps)
+    assert workload_modes(workload, trie=True)[4:] == (mode,)
     grouped_all = [g for step in steps for g in group_by_prompt(step)[0]]
     L = None if line_per_step else common_pack_length(workload.examples, grouped=grouped_all)
     for step in steps:
@@ -101,17 +108,19 @@ def test_grouped_mode_matches_stock_separate_passes(backend, line_per_step):
             stock_pol, stock_ref = separate_pass_logps(policy, step), separate_pass_logps(reference, step)
         prepare_model(policy, backend)
         prepare_model(reference, backend)
-        batch = layout_group(step, GROUPED_MODE, pack_length=L)
-        assert batch.num_real_tokens == sum(g.shared_length for g in group_by_prompt(step)[0]) < sum(
-            ex.shared_length for ex in step)
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        batch = layout_group(step, mode, pack_length=L)
+        assert batch.num_real_tokens < sum(ex.shared_length for ex in step)
+        mask = batch_attention_mask(batch, backend)
         with torch.no_grad():
             ref = compute_response_logps(reference, batch, mask).sums
         pol = compute_response_logps(policy, batch, mask).sums
-        # the batch's pairs, by record: the stock sums of record r are rows 2r (better) and 2r + 1 (worse)
+        # the batch's pairs, by record: the stock sums of record r are rows 2r (better) and 2r + 1 (worse); grouped
+        # rows hold their pairs prompt by prompt, tree lines record by record
         first = step[0].source_index
-        (grouped,) = group_by_prompt(step)[0]
-        records = torch.tensor(grouped.meta[PAIR_RECORDS]) - first
+        if mode == GROUPED_MODE:
+            records = torch.tensor([r for g in group_by_prompt(step)[0] for r in g.meta[PAIR_RECORDS]]) - first
+        else:
+            records = torch.arange(len(step))
         b, w = batch.pair_better, batch.pair_worse
         for name, ours, truth in (("policy", pol, stock_pol), ("reference", ref, stock_ref)):
             torch.testing.assert_close(ours[b].detach(), truth[2 * records], rtol=0, atol=1e-5, msg=name)
@@ -134,6 +143,13 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     data = {p["name"]: p for p in json.loads((out / "bench.json").read_text())["profiles"]}
     shp, system = data["shp-like"], data["system-prompt"]
     assert GROUPED_MODE in shp["modes"] and GROUPED_MODE not in system["modes"]
+    # a token trie runs for the DPO step where it shares more than grouping (reward scores do not follow trees)
+    assert [TRIE_MODE in data[name]["modes"] for name in ("shp-like", "system-prompt", "multi-turn")] == (
+        [False, True, True] if task == "dpo" else [False, False, False])
+    if task == "dpo":
+        assert system["modes"][TRIE_MODE]["tokens"] < system["modes"]["shared-packed"]["tokens"]
+        assert system["trie_over_ideal"]["vs_paired_packed"] == pytest.approx(
+            system["speedups"]["trie_packed_vs_paired_packed"]["median"] / system["ideals"]["trie"])
     assert shp["modes"][GROUPED_MODE]["tokens"] < shp["modes"]["shared-packed"]["tokens"]
     assert shp["ideals"]["grouped"] > shp["ideals"]["per_record"] == pytest.approx(shp["ideal"])
     assert shp["grouped_over_ideal"]["vs_paired_packed"] == pytest.approx(
@@ -141,4 +157,4 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     for other in (system, data["multi-turn"]):  # no prompt repeats: only a trie shares more
         assert other["ideals"]["grouped"] == other["ideals"]["per_record"] < other["ideals"]["trie"]
     md = (out / "bench.md").read_text()
-    assert "## Records that share prompts or prefixes" in md and "| system-prompt | - | - |" in md
+    assert "## Records that share prompts or prefixes" in md

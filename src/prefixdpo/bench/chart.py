@@ -10,7 +10,7 @@ from prefixdpo.bench.runner import ProfileResult
 __all__ = ["MODE_COLOURS", "plot_results"]
 
 MODE_COLOURS = {"paired": "#9e9e9e", "paired-packed": "#5c6bc0", "shared": "#ffb74d", "shared-packed": "#e64a19",
-                "grouped-packed": "#8e24aa"}
+                "grouped-packed": "#8e24aa", "trie-packed": "#00897b"}
 
 
 def plot_results(results: list[ProfileResult], path: str | Path, title: str = "prefixdpo bench") -> Path:

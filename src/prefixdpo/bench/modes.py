@@ -10,6 +10,10 @@
     grouped-packed `--group_by_prompt`: the group's records of one prompt in one row (each distinct response
                    once, `data.grouping`), those rows packed as shared-packed packs. Run only on workloads whose
                    steps hold several records of one prompt (`GROUPED_MODE`).
+    trie-packed    a token trie across records (`data.tree`): the group's records in tree lines, every token
+                   their sequences share with all tokens before it once (a system prompt, earlier turns); lines
+                   filled in order. Run only where a trie saves over grouping, with a backend that follows tree
+                   lines (`TRIE_MODE`; not in training yet).
 
 Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
 (`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the
@@ -29,13 +33,15 @@ from collections.abc import Sequence
 from prefixdpo.data.batch import Batch, bucket_length, build_batch, collate_lines
 from prefixdpo.data.example import Example
 from prefixdpo.data.grouping import group_by_prompt
+from prefixdpo.data.tree import build_tree_batch, lines_in_order
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
-__all__ = ["MODES", "GROUPED_MODE", "common_pack_length", "bucket_length", "layout_group", "standard_examples"]
+__all__ = ["MODES", "GROUPED_MODE", "TRIE_MODE", "common_pack_length", "bucket_length", "layout_group", "standard_examples"]
 
 MODES = ("paired", "paired-packed", "shared", "shared-packed")
 GROUPED_MODE = "grouped-packed"
+TRIE_MODE = "trie-packed"
 
 
 def standard_examples(example: Example) -> list[Example]:
@@ -72,8 +78,13 @@ def layout_group(
     modes run `standard_examples`: their responses are the pairs' sides, two per pair), except in the grouped
     mode (pairs by prompt, in order of each prompt's first record).
     """
-    if mode not in MODES + (GROUPED_MODE,):
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + (GROUPED_MODE,))}")
+    if mode not in MODES + (GROUPED_MODE, TRIE_MODE):
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + (GROUPED_MODE, TRIE_MODE))}")
+    if mode == TRIE_MODE:
+        if pack_length is None:
+            return build_tree_batch(examples, pad_token_id=pad_token_id, pad_multiple=128)
+        return build_tree_batch(examples, lines_in_order(examples, pack_length), pad_token_id=pad_token_id,
+                                length=pack_length)
     if mode == GROUPED_MODE:
         examples, mode = group_by_prompt(examples)[0], "shared-packed"
     if mode.startswith("paired"):

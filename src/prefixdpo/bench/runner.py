@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixdpo.bench.memory import PeakMemory
-from prefixdpo.bench.modes import GROUPED_MODE, MODES, common_pack_length, layout_group
+from prefixdpo.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
 from prefixdpo.bench.paper import PAPER
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
 from prefixdpo.bench.flops import ModelShape, ideal_speedup, step_ideals
 from prefixdpo.data.grouping import group_by_prompt
+from prefixdpo.data.tree import tree_line
 
 __all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload", "workload_modes"]
 
@@ -40,6 +41,8 @@ SPEEDUPS = (
     ("shared-packed", "paired", "shared_packed_vs_paired"),
     (GROUPED_MODE, "paired-packed", "grouped_packed_vs_paired_packed"),
     (GROUPED_MODE, "shared-packed", "grouped_packed_vs_shared_packed"),
+    (TRIE_MODE, "paired-packed", "trie_packed_vs_paired_packed"),
+    (TRIE_MODE, "shared-packed", "trie_packed_vs_shared_packed"),
 )
 
 
@@ -105,6 +108,15 @@ class ProfileResult:
         """Whether the grouped mode ran (the workload's steps hold several records of one prompt)."""
         return GROUPED_MODE in self.modes
 
+    def trie_over_ideal(self) -> dict[str, float]:
+        """The trie mode's speedups over their ideals (vs paired-packed: trie; vs shared-packed: trie / per_record),
+        where it ran."""
+        if TRIE_MODE not in self.modes:
+            return {}
+        alone = self.ideals["trie"] / self.ideals["per_record"]
+        return {"vs_paired_packed": self.speedups["trie_packed_vs_paired_packed"].median / self.ideals["trie"],
+                "vs_shared_packed": self.speedups["trie_packed_vs_shared_packed"].median / alone}
+
     def grouped_over_ideal(self) -> dict[str, float]:
         """The grouped mode's speedups over their ideals: vs paired-packed (ideal: grouped) and vs shared-packed
         (ideal: grouped / per_record, what grouping alone saves)."""
@@ -115,10 +127,16 @@ class ProfileResult:
                 "vs_shared_packed": self.speedups["grouped_packed_vs_shared_packed"].median / alone}
 
 
-def workload_modes(workload: Workload, modes=MODES) -> tuple[str, ...]:
-    """`modes`, and the grouped mode where a step of the workload holds several records of one prompt."""
-    repeated = any(len({workload.examples[i].prompt_ids for i in group}) < len(group) for group in workload.groups)
-    return tuple(modes) + ((GROUPED_MODE,) if repeated and GROUPED_MODE not in modes else ())
+def workload_modes(workload: Workload, modes=MODES, *, trie: bool = False) -> tuple[str, ...]:
+    """`modes`, and the grouped mode where a step of the workload holds several records of one prompt; with `trie`
+    (the step's backend follows tree lines), the trie mode where a token trie shares more than grouping."""
+    steps = [[workload.examples[i] for i in group] for group in workload.groups]
+    extra = []
+    if any(len({ex.prompt_ids for ex in step}) < len(step) for step in steps):
+        extra.append(GROUPED_MODE)
+    if trie and any(len(tree_line(step)) < sum(g.shared_length for g in group_by_prompt(step)[0]) for step in steps):
+        extra.append(TRIE_MODE)
+    return tuple(modes) + tuple(m for m in extra if m not in modes)
 
 
 def _sync(device: torch.device) -> None:
@@ -138,18 +156,20 @@ def run_workload(
     progress=None,
     pad_token_id: int = 0,
     line_per_step: bool = False,
+    trie: bool = False,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
     progress: a tqdm-like object with `update(n)` (one unit per step), or None.
     line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`).
+    trie: the stepper's backend follows tree lines, so the trie mode may run (`workload_modes`).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = torch.device(device)
     examples = workload.examples
     steps = [[examples[i] for i in group] for group in workload.groups]
-    modes = workload_modes(workload, modes)
+    modes = workload_modes(workload, modes, trie=trie)
     grouped = [g for step in steps for g in group_by_prompt(step)[0]] if GROUPED_MODE in modes else []
     pack_length = None if line_per_step else common_pack_length(examples, grouped=grouped)
     bucketed = dev.type == "cuda"

@@ -15,8 +15,9 @@ sees exactly the tokens of its own sequence before it, at their own positions, s
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.
 
-Only the dense SDPA mask follows tree lines so far (`core.attention.backends.build_tree_attention_mask`); every
-other backend refuses them in one line, and nothing in training builds them yet.
+The dense SDPA mask and the segment plan follow tree lines (`core.attention.backends.build_tree_attention_mask`);
+flex and varlen refuse them in one line, and so do the reward scores and the MoE aux loss. Nothing in training
+builds them yet: `bench` runs them (`trie-packed`) and `inspect` estimates them.
 """
 
 from __future__ import annotations
