@@ -286,3 +286,21 @@ def test_stats_and_inspect_report_sharing_and_grouping_apart(tmp_path, capsys):
     assert "0.0% more by group_by_prompt (6 records -> 6 rows" in out
     trie_line = next(line for line in out.splitlines() if "more by a token trie across records" in line)
     assert float(trie_line.split("%")[0]) > 30 and "with a token trie across records" in out
+
+
+def test_a_group_too_long_for_an_explicit_pack_length_is_split_and_trains(tmp_path):
+    """pack_length = the longest record's row: every record fits, some posts' grouped rows do not; they are split,
+    each part repeating the prompt, and the packed run takes all pairs."""
+    examples = shp_like(4)
+    longest = max(ex.shared_length for ex in examples)
+    assert max(ex.shared_length for ex in group_by_prompt(examples)[0]) > longest
+    trainer = PrefixDPOTrainer(model=tiny_model("llama"), train_dataset=examples,
+                               args=_dpo_config(tmp_path, "split", group_by_prompt=True, packing=True,
+                                                pack_length=longest, per_device_train_batch_size=64))
+    report = trainer.group_reports["train"]
+    assert report.split >= 1 and report.examples_out > 4
+    assert max(ex.shared_length for ex in trainer.train_dataset) <= longest
+    assert sum(len(ex.pairs) for ex in trainer.train_dataset) == len(examples)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the first step: every pair's log 2
