@@ -15,8 +15,9 @@ sees exactly the tokens of its own sequence before it, at their own positions, s
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.
 
-The dense SDPA mask and the segment plan follow tree lines (`core.attention.backends.build_tree_attention_mask`);
-flex and varlen refuse them in one line, and so do the reward scores and the MoE aux loss. Nothing in training
+The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
+(`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
+and the MoE aux loss. Nothing in training
 builds them yet: `bench` runs them (`trie-packed`) and `inspect` estimates them.
 """
 

@@ -11,7 +11,7 @@ themselves anyway, so the clause changes nothing for them.
 
 Tree lines (`data.tree`) generalise the rule from depth 1 to any depth: with each token's node span
 [tin, tout) in depth-first order, q may attend kv <=> tin[kv] <= tin[q] < tout[kv] (kv is q or an ancestor of
-q), or q == kv (padding, span (-1, -1)). `tree_dense_mask` is that rule for SDPA.
+q), or q == kv (padding, span (-1, -1)). `tree_dense_mask` is that rule for SDPA, `tree_mask_mod` for flex.
 """
 
 from __future__ import annotations
@@ -74,3 +74,24 @@ def tree_dense_mask(tree_spans: torch.Tensor) -> torch.Tensor:
     ancestor &= tin[:, None, :] >= 0
     ancestor |= torch.eye(L, dtype=torch.bool, device=tin.device)[None]
     return ancestor[:, None]
+
+
+def tree_mask_mod(tree_spans: torch.Tensor) -> MaskMod:
+    """The tree rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; tree_spans: [B, L, 2] (tin, tout)."""
+    # contiguous [B, L] buffers: inductor's CPU flex kernel refuses strided views inside a mask_mod
+    tin, tout = tree_spans[..., 0].contiguous(), tree_spans[..., 1].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        tin_kv = tin[b, kv_idx]
+        ancestor = (tin_kv <= tin[b, q_idx]) & (tin[b, q_idx] < tout[b, kv_idx]) & (tin_kv >= 0)
+        return ancestor | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def tree_block_mask(tree_spans: torch.Tensor, *, block_size: int = 128):
+    """The tree rule as a FlexAttention BlockMask over [B, L] tree lines (L should be a multiple of block_size)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, L, _ = tree_spans.shape
+    return create_block_mask(tree_mask_mod(tree_spans), B, None, L, L, device=tree_spans.device, BLOCK_SIZE=block_size)
