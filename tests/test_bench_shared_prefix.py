@@ -1,10 +1,10 @@
 """Shared-prefix bench profiles (`shp-like`: several pair records per post; `system-prompt`: one system prompt in
-front of every record; `multi-turn`: a pair at each turn of a dialogue), the grouped-packed mode
-(`--group_by_prompt`) and their FLOP ideals.
+front of every record; `multi-turn`: a pair at each turn of a dialogue), the grouped-packed (`--group_by_prompt`)
+and trie-packed (a token trie across records) modes, and their FLOP ideals.
 
-The grouped mode's per-pair losses and log-prob sums equal STOCK separate passes (each `[prompt][response]` alone,
-the model's own attention), fp32 atol 1e-5 (sums of ~5-10 token log-probs), on the dense mask with bin-packed
-lines and on segmented attention with one line per step. About 20 s on 2 busy CPU cores (two tiny bench runs).
+Both modes' per-pair losses and log-prob sums equal STOCK separate passes (each `[prompt][response]` alone, the
+model's own attention), fp32 atol 1e-5 (sums of ~5-10 token log-probs), on the dense mask with bin-packed lines
+and on segmented attention with one line per step. About 35 s on 2 busy CPU cores (two tiny bench runs).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ pass, whose own rounding is that sums' ulp), each pair's reward margin;
 with the option off, the trainer's examples and plans are today's, untouched. One optimizer step on an SHP-like
 file (a post, several comment pairs per post, each pair its own record) grouped and prefix-shared equals
 standard DPO (every `[prompt][response]` its own row, nothing grouped) over the same pairs in one step: loss
-1e-5 relative, gradients 1e-5 relative to their largest entry. About 15 s on 2 busy CPU cores.
+1e-5 relative, gradients 1e-5 relative to their largest entry. About 25 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations
