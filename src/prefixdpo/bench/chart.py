@@ -9,7 +9,8 @@ from prefixdpo.bench.runner import ProfileResult
 
 __all__ = ["MODE_COLOURS", "plot_results"]
 
-MODE_COLOURS = {"paired": "#9e9e9e", "paired-packed": "#5c6bc0", "shared": "#ffb74d", "shared-packed": "#e64a19"}
+MODE_COLOURS = {"paired": "#9e9e9e", "paired-packed": "#5c6bc0", "shared": "#ffb74d", "shared-packed": "#e64a19",
+                "grouped-packed": "#8e24aa", "trie-packed": "#00897b"}
 
 
 def plot_results(results: list[ProfileResult], path: str | Path, title: str = "prefixdpo bench") -> Path:
@@ -21,12 +22,14 @@ def plot_results(results: list[ProfileResult], path: str | Path, title: str = "p
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    modes = list(results[0].modes) if results else []
+    modes = list(dict.fromkeys(m for r in results for m in r.modes))  # grouped-packed: only where it ran
     width = 0.8 / max(1, len(modes))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(results) + 2), 4.2))
     for k, mode in enumerate(modes):
         xs, ys, lo, hi = [], [], [], []
         for i, r in enumerate(results):
+            if mode not in r.modes:
+                continue
             base = r.modes["paired"].pairs_per_s.median if "paired" in r.modes else 1.0
             s = r.modes[mode].pairs_per_s
             xs.append(i + (k - (len(modes) - 1) / 2) * width)

@@ -37,6 +37,8 @@ __all__ = [
     "standard_flops",
     "shared_flops",
     "ideal_speedup",
+    "trie_flop_count",
+    "step_ideals",
 ]
 
 
@@ -196,19 +198,63 @@ def shared_flops(shape: ModelShape, example: Example | tuple[int, Sequence[int]]
     return shared_flop_count(shape, example).total
 
 
-def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]]) -> float:
+def ideal_speedup(shape: ModelShape, examples: Iterable[Example | tuple[int, Sequence[int]]],
+                  shared_rows: Iterable[Example | tuple[int, Sequence[int]]] | None = None) -> float:
     """sum standard FLOPs / sum prefix-shared FLOPs over a workload (>= 1 for pairwise records).
 
     For K responses paired best-vs-each, standard DPO runs 2(K-1) sequences and the shared row K
     responses once: the ideal grows with K (the saving is the repeated prompt AND the repeated best).
 
+    shared_rows: the same pairs laid out otherwise for the shared side, e.g. `examples` grouped by prompt
+    (`data.grouping.group_by_prompt`: one row per prompt, each distinct response once); None = `examples`.
+
     The training step's 3x (forward + backward) for the policy and 1x reference forward multiply both
     sides by the same factor, so this forward-FLOP ratio is also the step-FLOP ratio.
     """
-    std = shared = 0
-    for ex in examples:
-        std += standard_flops(shape, ex)
-        shared += shared_flops(shape, ex)
+    examples = list(examples)
+    std = sum(standard_flops(shape, ex) for ex in examples)
+    shared = sum(shared_flops(shape, ex) for ex in (examples if shared_rows is None else shared_rows))
     if shared == 0:
         raise UserError("ideal_speedup: empty workload (no examples)")
     return std / shared
+
+
+def trie_flop_count(shape: ModelShape, examples: Sequence[Example]) -> FlopCount:
+    """One line of `examples` as a token trie (`data.tree.tree_line`): every token their sequences share with all
+    the tokens before it once; each token attends to itself and its ancestors (depth + 1 pairs); the LM head
+    once per distinct response-token node (a response two records name, once). What a line of a token trie across
+    records computes (`bench`'s trie-packed mode; not in training yet)."""
+    from prefixdpo.data.tree import tree_line
+
+    line = tree_line(examples)
+    sequences = iter(line.sequences)
+    targets = set()  # response-token nodes: as `shared_flop_count`, the head once per distinct response token
+    for ex in examples:
+        p = len(ex.prompt_ids)
+        for _ in ex.response_ids:
+            targets.update(next(sequences)[p:])
+    return forward_flops(shape, len(line), sum(d + 1 for d in line.position_ids), len(targets))
+
+
+def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None) -> dict[str, float]:
+    """Useful-FLOP speedups over standard DPO of the records of each optimizer step in `steps`:
+
+    per_record: each record its own prefix-shared row (`ideal_speedup`);
+    grouped:    a step's records of one prompt in one row (`group_by_prompt`), each distinct response once;
+    trie:       a step's records in one line as a token trie (`trie_flop_count`).
+
+    keep: FlopCount -> FlopCount applied to every count (a reward model drops the LM head); None = all of it.
+    """
+    from prefixdpo.data.grouping import group_by_prompt
+
+    keep = keep or (lambda count: count)
+    totals = dict.fromkeys(("standard", "per_record", "grouped", "trie"), 0)
+    for step in steps:
+        grouped, _ = group_by_prompt(step)
+        totals["standard"] += sum(keep(standard_flop_count(shape, ex)).total for ex in step)
+        totals["per_record"] += sum(keep(shared_flop_count(shape, ex)).total for ex in step)
+        totals["grouped"] += sum(keep(shared_flop_count(shape, ex)).total for ex in grouped)
+        totals["trie"] += keep(trie_flop_count(shape, step)).total
+    if totals["per_record"] == 0:
+        raise UserError("step_ideals: empty workload (no examples)")
+    return {name: totals["standard"] / totals[name] for name in ("per_record", "grouped", "trie")}

@@ -7,6 +7,13 @@
                    document, bin-packed into lines of the common pack length (as OpenRLHF packs them).
     shared         prefix sharing: one `[prompt][resp 0][resp 1]...` line per example, padded.
     shared-packed  prefix sharing + packing: the shared rows bin-packed into lines of the pack length.
+    grouped-packed `--group_by_prompt`: the group's records of one prompt in one row (each distinct response
+                   once, `data.grouping`), those rows packed as shared-packed packs. Run only on workloads whose
+                   steps hold several records of one prompt (`GROUPED_MODE`).
+    trie-packed    a token trie across records (`data.tree`): the group's records in tree lines, every token
+                   their sequences share with all tokens before it once (a system prompt, earlier turns); lines
+                   filled in order. Run only where a trie saves a tenth of the grouped rows' tokens or more, with a
+                   backend that follows tree lines (`TRIE_MODE`; not in training yet).
 
 Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
 (`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the
@@ -25,12 +32,16 @@ from collections.abc import Sequence
 
 from prefixdpo.data.batch import Batch, bucket_length, build_batch, collate_lines
 from prefixdpo.data.example import Example
+from prefixdpo.data.grouping import group_by_prompt
+from prefixdpo.data.tree import build_tree_batch, lines_in_order
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
-__all__ = ["MODES", "common_pack_length", "bucket_length", "layout_group", "standard_examples"]
+__all__ = ["MODES", "GROUPED_MODE", "TRIE_MODE", "common_pack_length", "bucket_length", "layout_group", "standard_examples"]
 
 MODES = ("paired", "paired-packed", "shared", "shared-packed")
+GROUPED_MODE = "grouped-packed"
+TRIE_MODE = "trie-packed"
 
 
 def standard_examples(example: Example) -> list[Example]:
@@ -43,9 +54,10 @@ def standard_examples(example: Example) -> list[Example]:
                     example.source_index, example.meta) for i, j in example.pairs]
 
 
-def common_pack_length(examples: Sequence[Example], multiple: int = 128) -> int:
-    """The pack length both packed modes use: the paper's rule on the prefix-shared row lengths."""
-    return auto_pack_length([ex.shared_length for ex in examples], multiple=multiple)
+def common_pack_length(examples: Sequence[Example], multiple: int = 128, grouped: Sequence[Example] = ()) -> int:
+    """The pack length every packed mode uses: the paper's rule on the prefix-shared row lengths (of `examples`
+    and, where the grouped mode runs, of their grouped rows, so those fit too)."""
+    return auto_pack_length([ex.shared_length for ex in (*examples, *grouped)], multiple=multiple)
 
 
 def layout_group(
@@ -63,10 +75,18 @@ def layout_group(
                  batch; worth it only with an attention that skips masked blocks, segmented or flex).
     bucketed:    round padded line lengths up with `bucket_length` (CUDA/flex); else pad to the longest.
     The Batch's pairs are in example order in every mode, so per-pair results compare (the standard
-    modes run `standard_examples`: their responses are the pairs' sides, two per pair).
+    modes run `standard_examples`: their responses are the pairs' sides, two per pair), except in the grouped
+    mode (pairs by prompt, in order of each prompt's first record).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode not in MODES + (GROUPED_MODE, TRIE_MODE):
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + (GROUPED_MODE, TRIE_MODE))}")
+    if mode == TRIE_MODE:
+        if pack_length is None:
+            return build_tree_batch(examples, pad_token_id=pad_token_id, pad_multiple=128)
+        return build_tree_batch(examples, lines_in_order(examples, pack_length), pad_token_id=pad_token_id,
+                                length=pack_length)
+    if mode == GROUPED_MODE:
+        examples, mode = group_by_prompt(examples)[0], "shared-packed"
     if mode.startswith("paired"):
         examples = [std for ex in examples for std in standard_examples(ex)]
     if mode in ("paired", "shared"):

@@ -24,14 +24,14 @@ from prefixdpo.reward.scores import compute_response_scores
 __all__ = ["RewardStep", "build_reward_model", "reward_ideal_speedup", "reward_flop_split"]
 
 
-def _no_head(count: FlopCount) -> FlopCount:
+def no_head(count: FlopCount) -> FlopCount:
     return FlopCount(count.body, count.attention, 0)
 
 
 def reward_ideal_speedup(shape: ModelShape, examples: list[Example]) -> float:
     """Useful FLOPs of standard reward training / of prefix sharing on `examples` (body + attention)."""
-    standard = sum(_no_head(standard_flop_count(shape, ex)).total for ex in examples)
-    shared = sum(_no_head(shared_flop_count(shape, ex)).total for ex in examples)
+    standard = sum(no_head(standard_flop_count(shape, ex)).total for ex in examples)
+    shared = sum(no_head(shared_flop_count(shape, ex)).total for ex in examples)
     return standard / shared
 
 
@@ -39,7 +39,7 @@ def reward_flop_split(shape: ModelShape, examples: list[Example], *, shared: boo
     """Shares of body, attention (and a zero LM head) in the useful FLOPs of the workload."""
     count = FlopCount(0, 0, 0)
     for ex in examples:
-        count = count + _no_head(shared_flop_count(shape, ex) if shared else standard_flop_count(shape, ex))
+        count = count + no_head(shared_flop_count(shape, ex) if shared else standard_flop_count(shape, ex))
     return {"body": count.body / count.total, "attention": count.attention / count.total, "lm_head": 0.0}
 
 

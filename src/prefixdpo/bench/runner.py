@@ -24,19 +24,25 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixdpo.bench.memory import PeakMemory
-from prefixdpo.bench.modes import MODES, common_pack_length, layout_group
+from prefixdpo.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
 from prefixdpo.bench.paper import PAPER
 from prefixdpo.bench.step import DPOStep
 from prefixdpo.bench.workloads import Workload
-from prefixdpo.bench.flops import ModelShape, ideal_speedup
+from prefixdpo.bench.flops import ModelShape, ideal_speedup, step_ideals
+from prefixdpo.data.grouping import group_by_prompt
+from prefixdpo.data.tree import tree_line
 
-__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload"]
+__all__ = ["Spread", "ModeResult", "ProfileResult", "run_workload", "workload_modes"]
 
 # (faster mode, baseline mode, key): the paper's two tables, and prefix sharing + packing over TRL's default.
 SPEEDUPS = (
     ("shared", "paired", "shared_vs_paired"),
     ("shared-packed", "paired-packed", "shared_packed_vs_paired_packed"),
     ("shared-packed", "paired", "shared_packed_vs_paired"),
+    (GROUPED_MODE, "paired-packed", "grouped_packed_vs_paired_packed"),
+    (GROUPED_MODE, "shared-packed", "grouped_packed_vs_shared_packed"),
+    (TRIE_MODE, "paired-packed", "trie_packed_vs_paired_packed"),
+    (TRIE_MODE, "shared-packed", "trie_packed_vs_shared_packed"),
 )
 
 
@@ -91,10 +97,51 @@ class ProfileResult:
     speedups: dict[str, Spread]
     paper: dict | None = None
     notes: list[str] = field(default_factory=list)
+    ideals: dict[str, float] = field(default_factory=dict)  # `flops.step_ideals`: per_record, grouped, trie
 
     @property
     def achieved_over_ideal(self) -> float:
         return self.speedups["shared_packed_vs_paired_packed"].median / self.ideal
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the grouped mode ran (the workload's steps hold several records of one prompt)."""
+        return GROUPED_MODE in self.modes
+
+    def trie_over_ideal(self) -> dict[str, float]:
+        """The trie mode's speedups over their ideals (vs paired-packed: trie; vs shared-packed: trie / per_record),
+        where it ran."""
+        if TRIE_MODE not in self.modes:
+            return {}
+        alone = self.ideals["trie"] / self.ideals["per_record"]
+        return {"vs_paired_packed": self.speedups["trie_packed_vs_paired_packed"].median / self.ideals["trie"],
+                "vs_shared_packed": self.speedups["trie_packed_vs_shared_packed"].median / alone}
+
+    def grouped_over_ideal(self) -> dict[str, float]:
+        """The grouped mode's speedups over their ideals: vs paired-packed (ideal: grouped) and vs shared-packed
+        (ideal: grouped / per_record, what grouping alone saves)."""
+        if not self.grouped:
+            return {}
+        alone = self.ideals["grouped"] / self.ideals["per_record"]
+        return {"vs_paired_packed": self.speedups["grouped_packed_vs_paired_packed"].median / self.ideals["grouped"],
+                "vs_shared_packed": self.speedups["grouped_packed_vs_shared_packed"].median / alone}
+
+
+TRIE_MIN_SAVING = 0.1  # the trie mode runs where it saves at least this share of the grouped rows' tokens
+
+
+def workload_modes(workload: Workload, modes=MODES, *, trie: bool = False) -> tuple[str, ...]:
+    """`modes`, and the grouped mode where a step of the workload holds several records of one prompt; with `trie`
+    (the step's backend follows tree lines), the trie mode where a token trie saves at least `TRIE_MIN_SAVING` of
+    the grouped rows' tokens (real data shares a BOS token and often a word or two: not worth a fifth mode)."""
+    steps = [[workload.examples[i] for i in group] for group in workload.groups]
+    extra = []
+    if any(len({ex.prompt_ids for ex in step}) < len(step) for step in steps):
+        extra.append(GROUPED_MODE)
+    grouped = sum(g.shared_length for step in steps for g in group_by_prompt(step)[0])
+    if trie and sum(len(tree_line(step)) for step in steps) <= (1 - TRIE_MIN_SAVING) * grouped:
+        extra.append(TRIE_MODE)
+    return tuple(modes) + tuple(m for m in extra if m not in modes)
 
 
 def _sync(device: torch.device) -> None:
@@ -114,17 +161,22 @@ def run_workload(
     progress=None,
     pad_token_id: int = 0,
     line_per_step: bool = False,
+    trie: bool = False,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
     progress: a tqdm-like object with `update(n)` (one unit per step), or None.
     line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`).
+    trie: the stepper's backend follows tree lines, so the trie mode may run (`workload_modes`).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = torch.device(device)
     examples = workload.examples
-    pack_length = None if line_per_step else common_pack_length(examples)
+    steps = [[examples[i] for i in group] for group in workload.groups]
+    modes = workload_modes(workload, modes, trie=trie)
+    grouped = [g for step in steps for g in group_by_prompt(step)[0]] if GROUPED_MODE in modes else []
+    pack_length = None if line_per_step else common_pack_length(examples, grouped=grouped)
     bucketed = dev.type == "cuda"
 
     batches: dict[str, list] = {}
@@ -195,6 +247,7 @@ def run_workload(
         pack_length=pack_length,
         length_scale=workload.length_scale,
         ideal=ideal_speedup(shape, examples),
+        ideals=step_ideals(shape, steps),
         flop_split={
             "standard": shape.flop_fractions(examples, shared=False),
             "shared": shape.flop_fractions(examples, shared=True),

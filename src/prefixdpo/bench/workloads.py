@@ -9,6 +9,10 @@ median overall length, prompt/completion ratio, lognormal spread, seeded), or a 
 (`MULTI_RESPONSE_PROFILES`: 4 completions per prompt, best vs each: 3 pairs per example). `length_scale` < 1
 shrinks both medians by the same factor (the prompt/completion ratio, hence the token saving, is
 kept): the default and quick runs use it to fit a CPU time budget, and the report states it.
+
+Shared-prefix workloads (`SHARED_PREFIX_PROFILES`: `shp-like`, several pair records per prompt; `system-prompt`,
+one system prompt in front of every record) hold records; a step holds the records of whole prompts, so the
+grouped mode (`modes.GROUPED_MODE`) can put a prompt's records in one row.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from prefixdpo.data.example import Example
-from prefixdpo.data.synthetic import BENCH_PROFILES, LengthProfile, synthetic_examples
+from prefixdpo.data.synthetic import (
+    BENCH_PROFILES, SHARED_PREFIX_PROFILES, LengthProfile, SharedPrefixProfile, shared_prefix_examples,
+    synthetic_examples,
+)
 from prefixdpo.errors import UserError
 
-__all__ = ["Workload", "scaled_profile", "synthetic_workload", "dataset_workload", "fixed_groups"]
+__all__ = ["Workload", "scaled_profile", "synthetic_workload", "shared_prefix_workload", "dataset_workload",
+           "fixed_groups"]
 
 
 @dataclass
@@ -34,7 +42,7 @@ class Workload:
     name: str
     examples: list[Example]
     groups: list[list[int]]
-    profile: LengthProfile | None = None
+    profile: LengthProfile | SharedPrefixProfile | None = None
     length_scale: float = 1.0
     source: str = "synthetic"
     notes: list[str] = field(default_factory=list)
@@ -80,6 +88,25 @@ def synthetic_workload(
         num_responses=num_responses, max_length=max_length,
     )
     return Workload(name, examples, fixed_groups(len(examples), examples_per_step), prof, length_scale)
+
+
+def shared_prefix_workload(name: str, n_prompts: int, prompts_per_step: int, *, vocab_size: int, seed: int = 0,
+                           length_scale: float = 1.0) -> Workload:
+    """The records of `n_prompts` prompts of the named `SHARED_PREFIX_PROFILES` profile, lengths times
+    `length_scale`; each optimizer step holds the records of `prompts_per_step` whole prompts."""
+    if name not in SHARED_PREFIX_PROFILES:
+        raise UserError(f"unknown profile {name!r}; known: {', '.join(SHARED_PREFIX_PROFILES)}")
+    if prompts_per_step < 1:
+        raise UserError(f"prompts per step must be >= 1, got {prompts_per_step}")
+    profile = SHARED_PREFIX_PROFILES[name]
+    examples = shared_prefix_examples(profile.scaled(length_scale), n_prompts, vocab_size=vocab_size, seed=seed)
+    groups: list[list[int]] = []
+    for i, ex in enumerate(examples):
+        step = ex.meta["prompt"] // prompts_per_step
+        if not groups or step != examples[groups[-1][0]].meta["prompt"] // prompts_per_step:
+            groups.append([])
+        groups[-1].append(i)
+    return Workload(name, examples, groups, profile, length_scale)
 
 
 def dataset_workload(

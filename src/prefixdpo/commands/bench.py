@@ -47,8 +47,10 @@ def register(subparsers) -> None:
                         "training part of a GRPO step (TRL's GRPOTrainer) in TRL's layout vs prefix-shared, on "
                         "synthetic rollouts of three profiles, and generation's share of a whole step")
     p.add_argument("--profiles", default=None,
-                   help="comma-separated synthetic profiles (default: all six of the paper and the multi-response "
-                        "one; --task grpo: math-like, long-context, math-like-g16)")
+                   help="comma-separated synthetic profiles (default: all six of the paper, the multi-response one "
+                        "and the shared-prefix ones, shp-like (5-10 pair records per post; adds the grouped-packed "
+                        "mode, --group_by_prompt), system-prompt and multi-turn; --task grpo: math-like, long-context, "
+                        "math-like-g16)")
     p.add_argument("--dataset", default=None, help="a real preference dataset instead of synthetic profiles")
     p.add_argument("--tokenizer", default=None, help="tokenizer for --dataset (default: --model's)")
     p.add_argument("--split", default="train", help="dataset split (default train)")
@@ -104,8 +106,9 @@ def _idle_cores() -> int:
 
 
 def _workloads(args, settings, vocab_size: int):
-    from prefixdpo.bench.workloads import dataset_workload, synthetic_workload
+    from prefixdpo.bench.workloads import dataset_workload
     from prefixdpo.data.synthetic import BENCH_PROFILES as PROFILES  # the paper's six + multi-response
+    from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
 
     if args.dataset:
         tokenizer = args.tokenizer or args.model
@@ -114,13 +117,29 @@ def _workloads(args, settings, vocab_size: int):
         return [dataset_workload(args.dataset, tokenizer, settings["examples"], settings["per_step"],
                                  split=args.split, max_length=args.max_length, vocab_size=vocab_size,
                                  trust_remote_code=args.trust_remote_code)]
-    names = [n.strip() for n in args.profiles.split(",")] if args.profiles else list(PROFILES)
+    known = {**PROFILES, **SHARED_PREFIX_PROFILES}
+    names = [n.strip() for n in args.profiles.split(",")] if args.profiles else list(known)
     for n in names:
-        if n not in PROFILES:
-            raise ConfigError(f"unknown profile {n!r}; known: {', '.join(PROFILES)}")
-    return [synthetic_workload(n, settings["examples"], settings["per_step"], vocab_size=vocab_size,
-                               seed=args.seed, length_scale=_length_scale(settings["length_scale"], PROFILES[n]))
-            for n in names]
+        if n not in known:
+            raise ConfigError(f"unknown profile {n!r}; known: {', '.join(known)}")
+    return [_workload(n, known[n], settings, vocab_size, args.seed) for n in names]
+
+
+def _workload(name: str, profile, settings, vocab_size: int, seed: int):
+    """The workload of one profile. A shared-prefix profile counts prompts: `examples` of them and `per_step` per
+    step, halved where a prompt holds several pair records (an shp-like post holds 5-10, a multi-turn dialogue
+    3-5), so its steps stay near the other profiles' size."""
+    from prefixdpo.bench.workloads import shared_prefix_workload, synthetic_workload
+    from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
+
+    scale = _length_scale(settings["length_scale"], profile)
+    if name not in SHARED_PREFIX_PROFILES:
+        return synthetic_workload(name, settings["examples"], settings["per_step"], vocab_size=vocab_size, seed=seed,
+                                  length_scale=scale)
+    several = profile.pairs_per_prompt[1] > 1 or profile.turns[1] > 1
+    prompts = max(2, settings["examples"] // 2) if several else settings["examples"]
+    per_step = max(1, settings["per_step"] // 2) if several else settings["per_step"]
+    return shared_prefix_workload(name, prompts, per_step, vocab_size=vocab_size, seed=seed, length_scale=scale)
 
 
 def _length_scale(value, profile) -> float:
@@ -144,9 +163,9 @@ def run(args) -> int:
     from prefixdpo.bench.chart import plot_results
     from prefixdpo.bench.memory import PeakMemory
     from prefixdpo.bench.model import SHAPES, build_models
-    from prefixdpo.bench.modes import MODES
     from prefixdpo.bench.report import markdown_report, to_json
-    from prefixdpo.bench.runner import run_workload
+    from prefixdpo.bench.runner import run_workload, workload_modes
+    from prefixdpo.core.attention.backends import TREE_BACKENDS
     from prefixdpo.bench.step import DPOStep
 
     cuda = args.device.startswith("cuda")
@@ -181,7 +200,10 @@ def run(args) -> int:
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
-    steps = sum(len(w.groups) for w in workloads) * (settings["warmup"] + settings["repeats"]) * len(MODES)
+    # the trie mode: a DPO step (reward scores do not follow trees yet) on a backend whose mask follows tree lines
+    trie = not reward and backend in TREE_BACKENDS
+    steps = sum(len(w.groups) * len(workload_modes(w, trie=trie)) for w in workloads) * (
+        settings["warmup"] + settings["repeats"])
     results = []
     t0 = time.perf_counter()
     with tqdm(total=steps, unit="step", disable=args.no_progress) as bar:
@@ -189,13 +211,15 @@ def run(args) -> int:
             bar.set_description(w.name)
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
-                                        line_per_step=line_per_step))
+                                        line_per_step=line_per_step, trie=trie))
     elapsed = time.perf_counter() - t0
     if reward:
-        from prefixdpo.bench.reward import reward_ideal_speedup, reward_flop_split
+        from prefixdpo.bench.flops import step_ideals
+        from prefixdpo.bench.reward import no_head, reward_ideal_speedup, reward_flop_split
 
         for w, r in zip(workloads, results):  # the paper measured DPO: its numbers are not this task's
             r.ideal, r.paper = reward_ideal_speedup(shape, w.examples), None
+            r.ideals = step_ideals(shape, [[w.examples[i] for i in g] for g in w.groups], keep=no_head)
             r.flop_split = {k: reward_flop_split(shape, w.examples, shared=k == "shared") for k in r.flop_split}
 
     model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "

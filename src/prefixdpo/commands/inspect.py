@@ -8,8 +8,9 @@ The data options are train's (`PrefixDPOConfig` / `DataArguments` fields, same n
 turned into `DataOptions` by the same `config.data_options`), so the data is prepared exactly as `train`
 would: over-long sequences truncated or dropped and counted, a bad record an error unless `--invalid skip`.
 Prints the preparation report (kept / skipped by reason / truncated / dropped / boundary adjustments),
-length statistics, tokens saved vs standard DPO, packing efficiency and the FLOP-model speedup
-(for Llama-3.1-8B unless `--model-config` names a config.json or model directory).
+length statistics, tokens saved vs standard DPO (by per-record sharing, and apart what `--group_by_prompt` would
+save on top), packing efficiency and the FLOP-model speedup of each (for Llama-3.1-8B unless `--model-config`
+names a config.json or model directory).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _shape(model_config: str | None):
 def run(args) -> int:
     from prefixdpo.dpo.config import DataArguments, PrefixDPOConfig, data_options
     from prefixdpo.data.prepare import prepare_examples
+    from prefixdpo.data.grouping import group_by_prompt
     from prefixdpo.data.stats import compute_stats
 
     # The same dataclasses and `data_options` as train, so validation, defaults and preparation are train's.
@@ -119,16 +121,54 @@ def run(args) -> int:
     if not prepared.examples:
         print("No examples left to inspect.")
         return 1
-    speedup = None
+    grouped, _ = group_by_prompt(prepared.examples)  # what --group_by_prompt would run, reported apart
+    speedup = grouped_speedup = None
     if shape is not None:
         from prefixdpo.bench.flops import ideal_speedup
 
         speedup = ideal_speedup(shape, prepared.examples)
-    stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name)
+        grouped_speedup = ideal_speedup(shape, prepared.examples, shared_rows=grouped)
+    stats = compute_stats(prepared.examples, config.pack_length, speedup=speedup, model_name=model_name,
+                          grouped=grouped, grouped_speedup=grouped_speedup)
+    stats = _with_trie(stats, prepared.examples, grouped, shape)
     print(stats.format())
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
+        if stats.trie_tokens < stats.shared_tokens:
+            drawn = _draw_first_tree_line(grouped, stats.pack_length, args.show_mask)
+            print(f"attention mask of one token-trie line written to {drawn}")
     return 0
+
+
+def _with_trie(stats, examples, grouped, shape):
+    """`stats` with what a token trie across records would run: the grouped rows packed in order into lines of
+    the pack length, each line one trie (`data.tree`), and its FLOP-model speedup over standard DPO."""
+    import dataclasses
+
+    from prefixdpo.data.tree import lines_in_order, tree_line
+
+    lines = [[grouped[i] for i in line] for line in lines_in_order(grouped, stats.pack_length)]
+    speedup = None
+    if shape is not None:
+        from prefixdpo.bench.flops import standard_flops, trie_flop_count
+
+        speedup = (sum(standard_flops(shape, ex) for ex in examples)
+                   / sum(trie_flop_count(shape, line).total for line in lines))
+    return dataclasses.replace(stats, trie_lines=len(lines), trie_tokens=sum(len(tree_line(line)) for line in lines),
+                               trie_speedup=speedup)
+
+
+def _draw_first_tree_line(grouped, pack_length: int, path: str):
+    """Draw the first line of a token trie across records (`_with_trie`'s lines) beside `path`: NAME-trie.png."""
+    from pathlib import Path
+
+    from prefixdpo.core.attention.draw import draw_mask
+    from prefixdpo.data.tree import build_tree_batch, lines_in_order
+
+    first = [grouped[i] for i in lines_in_order(grouped, pack_length)[0]]
+    target = Path(path)
+    return draw_mask(build_tree_batch(first), target.with_name(f"{target.stem}-trie{target.suffix}"),
+                     title="token trie across records (not in training yet)")
 
 
 def _draw_first_line(examples, pack_length: int, path: str):

@@ -20,7 +20,7 @@ import sys
 import time
 
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import NO_HELD_OUT, format_metric, script_setup
+from prefixdpo.commands.train import NO_HELD_OUT, format_metric, print_group_reports, script_setup
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -109,6 +109,7 @@ def run(args) -> int:
         from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
 
         ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's scripts
+    print_group_reports(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     print()

@@ -103,6 +103,12 @@ def script_setup(argv: list[str], option_types, parser_kwargs: dict, parse: Call
                                                                      config.local_process_index))
 
 
+def print_group_reports(trainer) -> None:
+    """One line per dataset the trainer grouped by prompt (`--group_by_prompt true`)."""
+    for name, report in trainer.group_reports.items():
+        print(f"{'Train' if name == 'train' else 'Held-out'} data: {report.summary()}")
+
+
 def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
     """`prefixdpo train`'s options: (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
     from prefixdpo.dpo.config import DPO_OPTIONS
@@ -174,6 +180,7 @@ def run(args) -> int:
         from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
 
         ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's script
+    print_group_reports(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
 

@@ -17,11 +17,13 @@ from typing import Callable
 
 import torch
 
+from prefixdpo.core.attention.backends import check_mask_follows_lines
 from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 from prefixdpo.data.batch import Batch
+from prefixdpo.errors import ConfigError
 
 def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
     """Call `model` (bare, or wrapped by DDP / FSDP2 / DeepSpeed) with `inputs`, running `body` as the
@@ -82,6 +84,7 @@ def final_hidden_states(model, inner_forward, **inputs) -> tuple[torch.Tensor, t
 
 
 def _batch_inputs(batch: Batch, attention_mask) -> dict:
+    check_mask_follows_lines(batch, attention_mask)
     return {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
 
 
@@ -97,6 +100,9 @@ def compute_response_logps(
     """
     hf = unwrap(model)
     check_sequences_fit_window(model, batch)
+    if router_aux and batch.is_tree:
+        raise ConfigError("the MoE load-balancing loss does not weigh tree lines' tokens yet: use "
+                          "router_aux_loss_coef=0 or lines without trees")
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:

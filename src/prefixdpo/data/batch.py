@@ -34,6 +34,8 @@ class Batch:
                     Recorded here, from the layout, for every reader (MoE token weights, reward score positions).
     pair_better, pair_worse: [P] long, global response indices (better preferred to worse)
     max_sequence_length: longest standard `[prompt][response]` sequence in the batch (sliding-window checks)
+    tree_spans:     [B, L, 2] long or None: tree lines (`data.tree`) give each token its node's (tin, tout), and
+                    the attention rule is the tree's (ancestors and itself); None: the (document, branch) rule
     """
 
     input_ids: torch.Tensor
@@ -51,6 +53,12 @@ class Batch:
     pair_better: torch.Tensor
     pair_worse: torch.Tensor
     max_sequence_length: int = 0
+    tree_spans: torch.Tensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """Lines laid out as token tries (`data.tree`): only a mask that follows the tree may run them."""
+        return self.tree_spans is not None
 
     @property
     def num_pairs(self) -> int:

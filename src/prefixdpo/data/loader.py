@@ -14,7 +14,7 @@ zero-weight batch that still runs the model (so the engines' collectives line up
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Sequence
 
 import numpy as np
@@ -159,7 +159,7 @@ def empty_batch(pad_token_id: int = 0) -> Batch:
         "branch_ids": torch.zeros((1, 1), dtype=torch.long),
     }
     empty = {f.name: torch.zeros(0, dtype=torch.long) for f in fields(Batch)
-             if f.name not in lines and f.name != "max_sequence_length"}
+             if f.name not in lines and f.default is MISSING}  # fields with a default keep it
     return Batch(**lines, **empty, max_sequence_length=1)
 
 
@@ -207,10 +207,15 @@ class MicroBatch:
 
 def pair_margins(examples: Sequence[Example]) -> torch.Tensor | None:
     """Margins [P] of the pairs of `examples` (example by example, each example's pairs in order), or None when
-    no example has one."""
+    no example has one. `meta["margin"]` is one number for every pair of the example (a record's margin), or
+    one per pair (an example grouped from several records, `data.grouping`)."""
     if not any(MARGIN in ex.meta for ex in examples):
         return None
-    return torch.tensor([ex.meta.get(MARGIN, 0.0) for ex in examples for _ in ex.pairs], dtype=torch.float32)
+    margins = []
+    for ex in examples:
+        margin = ex.meta.get(MARGIN, 0.0)
+        margins.extend(margin if isinstance(margin, (tuple, list)) else [margin] * len(ex.pairs))
+    return torch.tensor(margins, dtype=torch.float32)
 
 
 class MicroBatches(torch.utils.data.Dataset):

@@ -3,7 +3,9 @@
 - lengths: median / p95 / max of prompt, response and prefix-shared row lengths (tokens);
 - prompt/response ratio: median over examples of P / mean_k R_k (the paper's "prompt/completion ratio");
 - token saving: 1 - shared / unshared tokens, where a shared row is P + sum_k R_k and standard DPO runs
-  sum_k (P + R_k);
+  sum_k (P + R_k); and, apart, what `group_by_prompt` saves on top (one row per prompt, each distinct response
+  once: 1 - grouped / shared tokens) and what a token trie across records would save on top of that (each line's
+  shared leading tokens once, `data.tree`);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
 - predicted speedup: the useful-FLOP model of `prefixdpo.bench.flops` (body matmuls + allowed attention pairs + LM
@@ -54,11 +56,38 @@ class DataStats:
     packing_efficiency: float
     model: str | None = None
     speedup: float | None = None
+    grouped_rows: int | None = None
+    grouped_tokens: int | None = None
+    grouped_speedup: float | None = None
+    trie_lines: int | None = None
+    trie_tokens: int | None = None
+    trie_speedup: float | None = None
 
     @property
     def token_saving(self) -> float:
         """1 - shared / unshared tokens: the fraction of standard DPO's tokens prefix sharing does not run."""
         return 1.0 - self.shared_tokens / self.unshared_tokens
+
+    def _beyond_records(self) -> list[str]:
+        """The lines of what group_by_prompt, then a token trie, would save on top of per-record sharing."""
+        lines = []
+        if self.grouped_tokens is not None:
+            lines.append(
+                f"                    {self.grouping_saving:.1%} more by group_by_prompt ({self.examples} records -> "
+                f"{self.grouped_rows} rows, {self.grouped_tokens} tokens): "
+                f"{1.0 - self.grouped_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
+        if self.trie_tokens is not None and self.grouped_tokens is not None:
+            lines.append(
+                f"                    {1.0 - self.trie_tokens / self.grouped_tokens:.1%} more by a token trie across "
+                f"records (not in training yet; the grouped rows packed in order into {self.trie_lines} lines of "
+                f"{self.pack_length}, each line's shared leading tokens once: {self.trie_tokens} tokens): "
+                f"{1.0 - self.trie_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
+        return lines
+
+    @property
+    def grouping_saving(self) -> float:
+        """1 - grouped / shared tokens: the fraction of the per-record rows' tokens group_by_prompt does not run."""
+        return 1.0 - self.grouped_tokens / self.shared_tokens if self.grouped_tokens is not None else 0.0
 
     def format(self) -> str:
         lines = [
@@ -68,8 +97,9 @@ class DataStats:
             f"response tokens     {self.response}",
             f"shared row tokens   {self.row}",
             f"prompt/response     median ratio {self.prompt_response_ratio:.2f}",
-            f"tokens saved        {self.token_saving:.1%} vs standard DPO "
+            f"tokens saved        {self.token_saving:.1%} vs standard DPO by per-record sharing "
             f"({self.shared_tokens} shared vs {self.unshared_tokens} unshared tokens)",
+            *self._beyond_records(),
             f"packing             {self.packing_efficiency:.1%} efficient at pack length {self.pack_length} "
             f"({self.packs} packs)",
         ]
@@ -84,6 +114,14 @@ class DataStats:
                 "(FLOP model: 2 x body weights per token + 4 x heads x head_dim per allowed attention pair per layer "
                 "+ 2 x hidden x vocab per response-predicting position; padding not counted)"
             )
+        if self.speedup is not None and self.grouped_speedup is not None:
+            lines.append(
+                f"                    {self.grouped_speedup:.2f}x with group_by_prompt "
+                f"({self.grouped_speedup / self.speedup:.2f}x from grouping alone)"
+            )
+        if self.speedup is not None and self.trie_speedup is not None:
+            lines.append(f"                    {self.trie_speedup:.2f}x with a token trie across records (not in "
+                         "training yet)")
         return "\n".join(lines)
 
 
@@ -93,9 +131,13 @@ def compute_stats(
     speedup: float | None = None,
     model_name: str | None = None,
     seed: int = 0,
+    grouped: Sequence[Example] | None = None,
+    grouped_speedup: float | None = None,
 ) -> DataStats:
     """Statistics of `examples`. pack_length: "auto" (`packing.auto_pack_length`) or an int.
-    speedup: the FLOP model's predicted speedup for a model (`bench.flops.ideal_speedup`), None = no prediction."""
+    speedup: the FLOP model's predicted speedup for a model (`bench.flops.ideal_speedup`), None = no prediction.
+    grouped: `examples` grouped by prompt (`data.grouping.group_by_prompt`), for the tokens grouping saves on top
+    of per-record sharing; grouped_speedup: the FLOP model's speedup of the grouped rows over standard DPO."""
     from prefixdpo.data.packing import auto_pack_length, packing_efficiency, plan_packs
 
     if not examples:
@@ -122,4 +164,7 @@ def compute_stats(
         packing_efficiency=packing_efficiency(fitting, packs, length),
         model=model_name if speedup is not None else None,
         speedup=speedup,
+        grouped_rows=None if grouped is None else len(grouped),
+        grouped_tokens=None if grouped is None else sum(ex.shared_length for ex in grouped),
+        grouped_speedup=grouped_speedup,
     )

@@ -17,12 +17,19 @@ with 4 completions per prompt (UltraFeedback rates 4 completions per prompt) tra
 pairs per record. Prefix sharing runs the prompt and the 4 responses once in one row; standard DPO runs 3
 pairs = 6 `[prompt][response]` sequences (the best response 3 times). The paper has no such profile.
 `BENCH_PROFILES` is both together, in the benchmark's order.
+
+`SHARED_PREFIX_PROFILES` are records that share more than one record's prompt (none is in the paper):
+`shp-like` (SHP: Reddit posts of ~150-400 tokens, each with 5-10 comment pairs, one pair per record, drawn among
+a few comments of the post, so a comment appears in several records), `system-prompt` (every record behind the
+same ~300-token system prompt, then its own HH-like user prompt and two responses) and `multi-turn` (3-5-turn
+dialogues, a pair at each turn: each turn's prompt holds the earlier turns). Records are listed prompt by prompt
+(dialogue by dialogue). Their assumptions (ours): prompts uniform in the range, responses lognormal around their median.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +39,7 @@ from prefixdpo.errors import ConfigError
 __all__ = [
     "LengthProfile", "PROFILES", "MULTI_RESPONSE_PROFILES", "BENCH_PROFILES", "PAIRS_POLICIES", "NUM_SPECIAL_IDS",
     "synthetic_lengths", "synthetic_examples", "synthetic_pairs",
+    "SharedPrefixProfile", "SHARED_PREFIX_PROFILES", "shared_prefix_examples",
 ]
 
 # How the K responses of a synthetic record are paired (response 0 is the best, K-1 the worst).
@@ -196,4 +204,99 @@ def synthetic_examples(
             responses.append(tokens[pos : pos + r])
             pos += r
         out.append(Example(prompt_ids, responses, pairs, meta={"profile": prof.name, "synthetic_index": i}))
+    return out
+
+
+@dataclass(frozen=True)
+class SharedPrefixProfile:
+    """Records that share a prompt (several pairs per prompt) or its beginning (a system prompt).
+
+    prompt_range:        (lo, hi) tokens of each prompt after the system prompt, uniform.
+    median_response:     median tokens of a response (lognormal with `sigma`).
+    responses_per_prompt: (lo, hi) distinct responses of one prompt; its records pair them up.
+    pairs_per_prompt:    (lo, hi) records (one pair each) per prompt, each a different two of its responses (at
+                         most all of them), better one drawn at random.
+    system_length:       tokens of one system prompt in front of every prompt (0: none).
+    turns:               (lo, hi) turns of a dialogue: each turn's prompt is the last turn's prompt, the preferred
+                         response of its first record and a new user message (`prompt_range` tokens); (1, 1): none.
+    """
+
+    name: str
+    prompt_range: tuple[int, int]
+    median_response: float
+    responses_per_prompt: tuple[int, int] = (2, 2)
+    pairs_per_prompt: tuple[int, int] = (1, 1)
+    system_length: int = 0
+    sigma: float = 0.5
+    turns: tuple[int, int] = (1, 1)
+
+    @property
+    def median_total(self) -> float:
+        """System prompt + a middle prompt + one response, what `bench`'s auto length scale compares; in a dialogue
+        the middle turn's prompt, which holds the user messages and responses of the turns before it."""
+        middle = (sum(self.turns) / 2 + 1) / 2  # turns up to the middle one of a middle-length dialogue
+        return (self.system_length + middle * sum(self.prompt_range) / 2 + (middle - 1) * self.median_response
+                + self.median_response)
+
+    def scaled(self, scale: float) -> "SharedPrefixProfile":
+        """Every length times `scale` (counts of responses and pairs unchanged)."""
+        lo, hi = self.prompt_range
+        return replace(self, prompt_range=(max(1, round(lo * scale)), max(1, round(hi * scale))),
+                       median_response=self.median_response * scale,
+                       system_length=round(self.system_length * scale))
+
+
+SHARED_PREFIX_PROFILES: dict[str, SharedPrefixProfile] = {
+    p.name: p
+    for p in (
+        SharedPrefixProfile("shp-like", (150, 400), 80.0, responses_per_prompt=(4, 7), pairs_per_prompt=(5, 10)),
+        SharedPrefixProfile("system-prompt", (40, 200), 60.0, system_length=300),
+        SharedPrefixProfile("multi-turn", (30, 150), 120.0, turns=(3, 5)),
+    )
+}
+
+
+def shared_prefix_examples(profile: SharedPrefixProfile | str, n_prompts: int, *, vocab_size: int, seed: int = 0
+                           ) -> list[Example]:
+    """Records of `n_prompts` prompts of `profile`, prompt by prompt: each record one pair (two responses), its
+    `source_index` its number in the list, `meta` {"profile", "prompt": the prompt's number}.
+
+    A prompt's records pick distinct pairs among its responses (a response in several records); the
+    system prompt, if any, is the same tokens in front of every prompt. Deterministic given the arguments.
+    """
+    if isinstance(profile, str):
+        if profile not in SHARED_PREFIX_PROFILES:
+            raise ConfigError(f"unknown profile {profile!r}; known: {', '.join(SHARED_PREFIX_PROFILES)}")
+        profile = SHARED_PREFIX_PROFILES[profile]
+    if vocab_size <= NUM_SPECIAL_IDS:
+        raise ConfigError(f"vocab_size must exceed {NUM_SPECIAL_IDS} (ids below it are reserved), got {vocab_size}")
+    rng = np.random.default_rng([int(seed), 2])
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.integers(NUM_SPECIAL_IDS, vocab_size, size=int(n)).tolist())
+
+    def response_length() -> int:
+        return max(1, int(round(rng.lognormal(math.log(profile.median_response), profile.sigma))))
+
+    def user_message() -> tuple[int, ...]:
+        return tokens(rng.integers(profile.prompt_range[0], profile.prompt_range[1] + 1))
+
+    system = tokens(profile.system_length)
+    out: list[Example] = []
+    for prompt_number in range(n_prompts):
+        prompt = system + user_message()
+        lo, hi = profile.turns
+        for turn in range(lo if lo == hi else int(rng.integers(lo, hi + 1))):
+            if turn:  # the dialogue goes on after the preferred response of the last turn's first record
+                prompt = prompt + out[-n_pairs].response_ids[0] + user_message()
+            k = int(rng.integers(profile.responses_per_prompt[0], profile.responses_per_prompt[1] + 1))
+            responses = [tokens(response_length()) for _ in range(k)]
+            candidates = [(i, j) for i in range(k) for j in range(i + 1, k)]
+            n_pairs = min(len(candidates), int(rng.integers(*profile.pairs_per_prompt, endpoint=True)))
+            for choice in rng.choice(len(candidates), size=n_pairs, replace=False).tolist():
+                i, j = candidates[choice] if rng.random() < 0.5 else candidates[choice][::-1]  # which one was preferred
+                meta = {"profile": profile.name, "prompt": prompt_number}
+                if hi > 1:
+                    meta["turn"] = turn
+                out.append(Example(prompt, (responses[i], responses[j]), ((0, 1),), len(out), meta))
     return out

@@ -88,7 +88,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
 
         self._data_options = data_options or default_data_options(args)
         self.data_reports: dict = {}
-        train_examples, eval_examples = self._examples_of(train_dataset, eval_dataset, processing_class)
+        train_examples, eval_examples = self._examples_of(train_dataset, eval_dataset, processing_class, args)
         check_run_fits(model, args, self.backend, train_examples, eval_examples)  # before any work (fit.py)
 
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,

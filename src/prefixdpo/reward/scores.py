@@ -21,6 +21,7 @@ import torch
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.forward import decoder_output, through_engine
+from prefixdpo.errors import ConfigError
 from prefixdpo.core.logprobs import UnsupportedModelError
 
 
@@ -64,6 +65,8 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
     caller. A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
     its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
     """
+    if batch.is_tree:  # the score positions follow the (document, branch) rule (`score_positions`)
+        raise ConfigError("reward scores on tree lines are not built yet: lay the examples out without trees")
     cfg = text_config(base_model(model))
     head = score_head(model)
     if cfg.pad_token_id is None and batch.input_ids.shape[0] > 1:

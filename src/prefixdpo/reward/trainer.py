@@ -44,7 +44,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
                                                        tokenizer=processing_class)
         self._data_options = data_options or reward_data_options(args)
         self.data_reports: dict = {}
-        train, evals = self._examples_of(train_dataset, eval_dataset, processing_class)
+        train, evals = self._examples_of(train_dataset, eval_dataset, processing_class, args)
         check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)

@@ -1,7 +1,8 @@
 """What every prefixdpo trainer adds to `transformers.Trainer`, whatever it trains (DPO family, reward model).
 
 - data: each loader item is one micro-batch (padded or packed lines), planned per epoch with the seed, the
-  same number of micro-batches on every rank (`data/loader.py`), re-planned by `RunCallback`;
+  same number of micro-batches on every rank (`data/loader.py`), re-planned by `RunCallback`; with
+  `group_by_prompt`, the examples of one prompt are first merged into one (`data/grouping.py`);
 - gradient normalisation: a micro-batch's loss is ``sum(pair losses) * W / N``, N the pairs of the whole
   optimizer step over all W ranks (known from the plan, no communication). The engines average gradients
   over ranks (the W cancels) and `loss_is_scaled_for_ga = True` stops Trainer from dividing by the
@@ -41,6 +42,7 @@ from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
 from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
 from prefixdpo.errors import TrainingPreempted, UserError
@@ -69,12 +71,26 @@ class PrefixTrainerBase(Trainer):
         logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
         return args
 
-    def _examples_of(self, train_dataset, eval_dataset, tokenizer):
-        """(train Examples, eval Examples or a dict of them) through the subclass's `_as_examples`."""
-        train = self._as_examples(train_dataset, tokenizer, "train")
+    def _examples_of(self, train_dataset, eval_dataset, tokenizer, args):
+        """(train Examples, eval Examples or a dict of them) through the subclass's `_as_examples`, grouped by
+        prompt when `args.group_by_prompt`."""
+        self.group_reports: dict[str, GroupReport] = {}
+        train = self._grouped(self._as_examples(train_dataset, tokenizer, "train"), "train", args)
         if isinstance(eval_dataset, Mapping):
-            return train, {key: self._as_examples(data, tokenizer, f"eval_{key}") for key, data in eval_dataset.items()}
-        return train, self._as_examples(eval_dataset, tokenizer, "eval")
+            return train, {key: self._grouped(self._as_examples(data, tokenizer, f"eval_{key}"), f"eval_{key}", args)
+                           for key, data in eval_dataset.items()}
+        return train, self._grouped(self._as_examples(eval_dataset, tokenizer, "eval"), "eval", args)
+
+    def _grouped(self, examples, name: str, args):
+        """`examples` with records of the same prompt merged (`data.grouping`) when `args.group_by_prompt`; the
+        report goes to `self.group_reports[name]` and the log. A merged row is kept to an explicit pack length."""
+        if examples is None or not args.group_by_prompt:
+            return examples
+        limit = args.pack_length if args.packing and isinstance(args.pack_length, int) else None
+        grouped, report = group_by_prompt(examples, max_row_length=limit)
+        self.group_reports[name] = report
+        logging.getLogger(__name__).info("%s: %s", name, report.summary())
+        return grouped
 
     def _init_run_state(self) -> None:
         """Per-run state, after `Trainer.__init__` (the model is in place)."""
@@ -129,7 +145,7 @@ class PrefixTrainerBase(Trainer):
         if isinstance(eval_dataset, str):
             name, examples = f"eval_{eval_dataset}", self.eval_dataset[eval_dataset]
         elif eval_dataset is not None:
-            examples = self._as_examples(eval_dataset, self.processing_class, "eval")
+            examples = self._grouped(self._as_examples(eval_dataset, self.processing_class, "eval"), "eval", self.args)
         else:
             examples = self.eval_dataset
         return make_dataloader(self._micro_batches(examples, train=False, name=name))

@@ -20,6 +20,15 @@ ATTENTION_HELP = ("Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex
                   "and evaluation pass uses whatever the model's attn_implementation (that one only says how the "
                   "model is loaded).")
 
+GROUP_BY_PROMPT_HELP = (
+    "Records whose prompts are the same tokens become one row: the prompt once, then every response they name "
+    "(a response named by several records once). Every pair and its loss stay the same, but, as group_by_length "
+    "does, it changes which pairs share an optimizer step: a batch counts rows, so a step holds all pairs of its "
+    "prompts, and an epoch has fewer, larger steps. Off by default so that a TRL config trains on the same steps "
+    "as TRL; turn it on for data with several pairs per prompt (SHP, all-pairs expansions, several rated "
+    "responses per prompt): `prefixdpo inspect` shows what it saves. Needs prefix_sharing; with packing and an "
+    "explicit pack_length a group too long for a line is split, each part repeating the prompt (counted).")
+
 
 @dataclass
 class PrefixSharingOptions:
@@ -29,6 +38,7 @@ class PrefixSharingOptions:
     packing: bool = field(
         default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
     pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
+    group_by_prompt: bool = field(default=False, metadata={"help": GROUP_BY_PROMPT_HELP})
     attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
 
 
@@ -175,6 +185,8 @@ def check_shared_options(args) -> None:
         if not args.packing:
             raise ConfigError(f"pack_length={args.pack_length} has no effect without packing: add --packing true, "
                               "or leave pack_length out")
+    if args.group_by_prompt and not args.prefix_sharing:
+        raise ConfigError("group_by_prompt=true needs prefix_sharing=true: a group is one prefix-shared row")
     check_nonfinite_options(args.nonfinite, args.nonfinite_max_consecutive)
     if args.train_sampling_strategy not in ("random", "sequential"):
         # Trainer's samplers are replaced by our micro-batch plan; packing is how we group by length.

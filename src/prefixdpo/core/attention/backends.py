@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask
+from prefixdpo.core.attention.masks import block_mask, dense_mask, tree_block_mask, tree_dense_mask
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
@@ -118,3 +118,41 @@ def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backen
     if backend == "sdpa":
         return dense_mask(doc_ids, branch_ids)
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
+
+
+TREE_BACKENDS = ("sdpa", "segmented", "flex")  # the backends whose mask follows tree lines (`data.tree`)
+
+
+def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
+    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend, marked `follows_tree`: the
+    dense SDPA mask of the tree rule, the segment plan cut along the tree, or the tree's FlexAttention BlockMask.
+    varlen refuses tree lines (its plan follows the (document, branch) rule only): a ConfigError naming it."""
+    if backend not in TREE_BACKENDS:
+        raise ConfigError(f"attention={backend!r} does not follow tree lines yet (only {', '.join(TREE_BACKENDS)} "
+                          "do): use attention='sdpa', 'segmented' or 'flex'")
+    if backend == "flex":
+        mask = tree_block_mask(tree_spans)
+    elif backend == "segmented":
+        lines = torch.zeros(tree_spans.shape[:2], dtype=torch.long, device=tree_spans.device)  # [B, L]: the shape
+        plan = build_segment_plan(lines, lines, tree_spans=tree_spans)
+        mask = segment_plan_mask(plan, tree_spans.device)
+    else:
+        mask = tree_dense_mask(tree_spans)
+    mask.follows_tree = True
+    return mask
+
+
+def batch_attention_mask(batch, backend: str):
+    """The mask of `batch` (a `data.batch.Batch`) for a resolved backend: its tree's for tree lines, else the
+    (document, branch) rule's (`build_attention_mask`)."""
+    if batch.is_tree:
+        return build_tree_attention_mask(batch.tree_spans, backend)
+    return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+
+
+def check_mask_follows_lines(batch, attention_mask) -> None:
+    """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
+    let each token see the wrong ones. A ConfigError in one line."""
+    if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
+        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, attention='sdpa'); "
+                          "this mask follows the (document, branch) rule")

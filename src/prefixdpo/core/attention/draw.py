@@ -3,7 +3,7 @@
 Each allowed (query, key) cell is coloured by what the key is: the shared prompt of its document, or
 a response branch (one colour per branch index); forbidden cells are white; cells of padding queries
 or keys are grey. Document boundaries are drawn as lines. The mask drawn is `masks.dense_mask`, the
-same rule every backend uses.
+same rule every backend uses; a tree line's (`data.tree`) is `masks.tree_dense_mask`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from prefixdpo.atomic_io import atomic_path
-from prefixdpo.core.attention.masks import dense_mask
+from prefixdpo.core.attention.masks import dense_mask, tree_dense_mask
 from prefixdpo.data.batch import Batch
 
 __all__ = ["MASK_COLOURS", "mask_image", "draw_mask"]
@@ -27,12 +27,33 @@ MASK_COLOURS = {
 }
 
 
+def tree_branches(tree_spans: np.ndarray) -> np.ndarray:
+    """Per token of a tree line ([L, 2] spans): 0 where it lies on the way to 2+ leaves of the trie (shared), else
+    the number (1, 2, ...) of the one leaf below it, in line order; -1 for padding. For the picture only."""
+    tin, tout = tree_spans[:, 0], tree_spans[:, 1]
+    leaves = np.flatnonzero((tout == tin + 1) & (tin >= 0))
+    out = np.full(len(tin), -1, dtype=np.int64)
+    for t in np.flatnonzero(tin >= 0):
+        below = np.flatnonzero((leaves >= tin[t]) & (leaves < tout[t]))
+        out[t] = 0 if len(below) > 1 else int(below[0]) + 1
+    return out
+
+
 def mask_image(batch: Batch, line: int = 0) -> np.ndarray:
-    """RGB image [L, L, 3] uint8 of line `line` of `batch` (rows = queries, columns = keys)."""
+    """RGB image [L, L, 3] uint8 of line `line` of `batch` (rows = queries, columns = keys). A tree line
+    (`data.tree`) is drawn with its own rule (`masks.tree_dense_mask`), keys coloured shared (on the way to 2+
+    leaves) or by the one leaf they lead to."""
     doc = batch.doc_ids[line : line + 1].cpu()
-    branch = batch.branch_ids[line : line + 1].cpu()
-    allowed = dense_mask(doc, branch)[0, 0].numpy()  # [L, L]
-    doc, branch = doc[0].numpy(), branch[0].numpy()
+    if batch.is_tree:
+        spans = batch.tree_spans[line : line + 1].cpu()
+        allowed = tree_dense_mask(spans)[0, 0].numpy()
+        branch = tree_branches(spans[0].numpy())
+        branch[branch < 0] = 0
+        doc = doc[0].numpy()
+    else:
+        branch = batch.branch_ids[line : line + 1].cpu()
+        allowed = dense_mask(doc, branch)[0, 0].numpy()  # [L, L]
+        doc, branch = doc[0].numpy(), branch[0].numpy()
     L = doc.shape[0]
     img = np.empty((L, L, 3), dtype=np.uint8)
     img[:] = MASK_COLOURS["forbidden"]
@@ -67,10 +88,15 @@ def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None =
     for s in starts:  # document (and padding) boundaries
         ax.axhline(s - 0.5, color="black", lw=0.6)
         ax.axvline(s - 0.5, color="black", lw=0.6)
-    n_branches = int(batch.branch_ids[line].max())
-    handles = [Patch(color=np.array(MASK_COLOURS["prompt"]) / 255, label="prompt (shared)")]
+    if batch.is_tree:
+        n_branches = int(tree_branches(batch.tree_spans[line].cpu().numpy()).max())
+        shared = "shared by 2+ sequences"
+    else:
+        n_branches, shared = int(batch.branch_ids[line].max()), "prompt (shared)"
+    handles = [Patch(color=np.array(MASK_COLOURS["prompt"]) / 255, label=shared)]
     handles += [Patch(color=np.array(MASK_COLOURS["branches"][(b - 1) % len(MASK_COLOURS["branches"])]) / 255,
-                      label=f"response {b}") for b in range(1, n_branches + 1)]
+                      label=f"{'branch' if batch.is_tree else 'response'} {b}")
+                for b in range(1, min(n_branches, 12) + 1)]
     handles += [Patch(color=np.array(MASK_COLOURS["padding"]) / 255, label="padding"),
                 Patch(facecolor="white", edgecolor="black", label="not allowed")]
     ax.legend(handles=handles, loc="upper right", fontsize=7)

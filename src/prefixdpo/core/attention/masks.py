@@ -8,6 +8,10 @@
 The last clause exists only so padded queries never see an all-masked row: SDPA turns those into NaN,
 and NaN leaks into gradients even where the loss ignores the position. Real queries always attend
 themselves anyway, so the clause changes nothing for them.
+
+Tree lines (`data.tree`) generalise the rule from depth 1 to any depth: with each token's node span
+[tin, tout) in depth-first order, q may attend kv <=> tin[kv] <= tin[q] < tout[kv] (kv is q or an ancestor of
+q), or q == kv (padding, span (-1, -1)). `tree_dense_mask` is that rule for SDPA, `tree_mask_mod` for flex.
 """
 
 from __future__ import annotations
@@ -57,3 +61,37 @@ def block_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, block_size: i
         prefix_sharing_mask_mod(doc_ids, branch_ids), B, None, L, L,
         device=doc_ids.device, BLOCK_SIZE=block_size,
     )
+
+
+def tree_dense_mask(tree_spans: torch.Tensor) -> torch.Tensor:
+    """The tree rule as a boolean mask [B, 1, L, L] (True = may attend), for SDPA.
+
+    tree_spans: [B, L, 2] long, (tin, tout) of each token's node; (-1, -1) for padding.
+    """
+    tin, tout = tree_spans[..., 0], tree_spans[..., 1]
+    L = tin.shape[1]
+    ancestor = (tin[:, None, :] <= tin[:, :, None]) & (tin[:, :, None] < tout[:, None, :])  # [B, q, kv]
+    ancestor &= tin[:, None, :] >= 0
+    ancestor |= torch.eye(L, dtype=torch.bool, device=tin.device)[None]
+    return ancestor[:, None]
+
+
+def tree_mask_mod(tree_spans: torch.Tensor) -> MaskMod:
+    """The tree rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; tree_spans: [B, L, 2] (tin, tout)."""
+    # contiguous [B, L] buffers: inductor's CPU flex kernel refuses strided views inside a mask_mod
+    tin, tout = tree_spans[..., 0].contiguous(), tree_spans[..., 1].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        tin_kv = tin[b, kv_idx]
+        ancestor = (tin_kv <= tin[b, q_idx]) & (tin[b, q_idx] < tout[b, kv_idx]) & (tin_kv >= 0)
+        return ancestor | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def tree_block_mask(tree_spans: torch.Tensor, *, block_size: int = 128):
+    """The tree rule as a FlexAttention BlockMask over [B, L] tree lines (L should be a multiple of block_size)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, L, _ = tree_spans.shape
+    return create_block_mask(tree_mask_mod(tree_spans), B, None, L, L, device=tree_spans.device, BLOCK_SIZE=block_size)

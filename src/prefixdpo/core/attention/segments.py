@@ -13,6 +13,11 @@ the same order as the dense rule, so results agree to float rounding.
 
 The plan (index tensors) is built once per batch and reused by every layer, for the policy and the
 reference pass alike.
+
+Tree lines (`data.tree`, depth first, token spans [tin, tout)) are cut the same way, by the tree: a run of tokens
+each the child of the one before it is one segment, its keys the run's ancestors then the run, causal aligned
+bottom-right. A line's first root-to-leaf path is one plain causal segment; every other run's queries go over its
+gathered ancestors (for depth 1: the prompt and first response, then each later response over the prompt).
 """
 
 from __future__ import annotations
@@ -94,6 +99,33 @@ def _segments(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> list[tuple[lis
     return out
 
 
+def _tree_segments(tree_spans: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """(query flat indices, key flat indices) per segment of tree lines ([B, L, 2] spans, (-1, -1) = padding): each
+    maximal run of tokens whose parent is the token before it, keyed by its ancestors and itself."""
+    B, L, _ = tree_spans.shape
+    tin, tout = tree_spans[..., 0].tolist(), tree_spans[..., 1].tolist()
+    out: list[tuple[list[int], list[int]]] = []
+    for b in range(B):
+        base = b * L
+        stack: list[int] = []  # the ancestors of the current token, root first
+        run: list[int] = []
+        ancestors: list[int] = []
+        for t in range(L):
+            if tin[b][t] < 0:
+                continue
+            while stack and tout[b][stack[-1]] <= tin[b][t]:  # not an ancestor of t
+                stack.pop()
+            if not (stack and stack[-1] == t - 1 and run and run[-1] == base + t - 1):
+                if run:
+                    out.append((run, ancestors + run))
+                ancestors, run = [base + a for a in stack], []
+            run.append(base + t)
+            stack.append(t)
+        if run:
+            out.append((run, ancestors + run))
+    return out
+
+
 def _group(segs: list[tuple[list[int], list[int]]], waste: float, min_cells: int) -> list[list[int]]:
     """Indices of segments grouped so padding adds at most ~`waste` of the real work plus `min_cells`
     query-key cells: each group is one SDPA call (forward and backward, every layer), and a call's fixed
@@ -125,10 +157,12 @@ def _group(segs: list[tuple[list[int], list[int]]], waste: float, min_cells: int
 
 def build_segment_plan(
     doc_ids: torch.Tensor, branch_ids: torch.Tensor, *, waste: float = 0.25, min_cells: int = 128 * 128,
+    tree_spans: torch.Tensor | None = None,
 ) -> SegmentPlan:
-    """Plan segmented attention for [B, L] doc/branch ids (see module docstring)."""
+    """Plan segmented attention for [B, L] doc/branch ids, or for tree lines' [B, L, 2] `tree_spans` (see module
+    docstring)."""
     B, L = doc_ids.shape
-    segs = _segments(doc_ids.cpu(), branch_ids.cpu())
+    segs = _segments(doc_ids.cpu(), branch_ids.cpu()) if tree_spans is None else _tree_segments(tree_spans.cpu())
     groups = []
     q_index: list[int] = []
     kv_index: list[int] = []

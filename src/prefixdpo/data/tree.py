@@ -1,0 +1,184 @@
+"""Token trees: the sequences of several records that share leading tokens run those tokens once, in one line.
+
+Every `[prompt][response k]` sequence of a line's examples goes into a token trie: a token that several sequences
+share with all the tokens before it (a system prompt, a prompt several records name, the earlier turns of a
+dialogue) is one node, laid out once. The line is the trie in depth-first order::
+
+    input_ids:    each trie node's token once, depth first (a node's subtree right after it)
+    position_ids: the node's depth (tokens above it): every sequence sees its own positions 0 .. n-1
+    span:         [tin, tout): the node's row position and the end of its subtree in the line
+
+    q may attend kv  <=>  tin[kv] <= tin[q] < tout[kv]      (kv is q or one of q's ancestors)
+
+which is the prefix-sharing rule (`branch[kv] in (0, branch[q])`) generalised from depth 1 to any depth: a query
+sees exactly the tokens of its own sequence before it, at their own positions, so every response's log-probs
+equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
+sequence (the prompt's last token for the first one), wherever in the line that node is.
+
+The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
+(`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
+and the MoE aux loss. Nothing in training
+builds them yet: `bench` runs them (`trie-packed`) and `inspect` estimates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from prefixdpo.data.batch import PAD_DOC, Batch, _round_up
+from prefixdpo.data.example import Example
+
+
+@dataclass(frozen=True)
+class TreeLine:
+    """The trie of some examples' sequences, depth first. All tuples have the line's length n unless noted.
+
+    input_ids, position_ids (depths), tin, tout: [n]
+    sequences: one per response of the examples (example by example), the row positions of its whole
+               `[prompt][response]` sequence, in order
+    """
+
+    input_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    tin: tuple[int, ...]
+    tout: tuple[int, ...]
+    sequences: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def depth(self) -> int:
+        """Branching levels of the tree: the most times one sequence passes a node with several children
+        (1 for a prompt and its responses; 0 for one sequence alone)."""
+        splits: dict[int, set[int]] = {}
+        for seq in self.sequences:
+            for a, b in zip(seq, seq[1:]):
+                splits.setdefault(a, set()).add(b)
+        branching = {a for a, nexts in splits.items() if len(nexts) > 1}
+        return max((sum(p in branching for p in seq) for seq in self.sequences), default=0)
+
+
+def _insert(children: list[dict[int, int]], tokens: list[int], parent: list[int], sequence) -> list[int]:
+    """Add `sequence` to the trie (node 0 is the root, no token); return its nodes."""
+    node, path = 0, []
+    for t in sequence:
+        nxt = children[node].get(t)
+        if nxt is None:
+            nxt = len(tokens)
+            children[node][t] = nxt
+            children.append({})
+            tokens.append(t)
+            parent.append(node)
+        path.append(nxt)
+        node = nxt
+    return path
+
+
+def tree_line(examples: Sequence[Example]) -> TreeLine:
+    """The token trie of every `[prompt][response]` sequence of `examples`, laid out depth first (module
+    docstring). Children in the order their first sequence came."""
+    children: list[dict[int, int]] = [{}]
+    tokens, parent = [-1], [-1]
+    paths = [_insert(children, tokens, parent, ex.prompt_ids + r) for ex in examples for r in ex.response_ids]
+    size = [1] * len(tokens)
+    for node in range(len(tokens) - 1, 0, -1):  # a child is always created after its parent
+        size[parent[node]] += size[node]
+    row, depth = [0] * len(tokens), [0] * len(tokens)
+    order: list[int] = []
+    stack = list(reversed(children[0].values()))
+    while stack:
+        node = stack.pop()
+        row[node] = len(order)
+        depth[node] = depth[parent[node]] + 1 if parent[node] else 0
+        order.append(node)
+        stack.extend(reversed(children[node].values()))
+    return TreeLine(
+        input_ids=tuple(tokens[n] for n in order),
+        position_ids=tuple(depth[n] for n in order),
+        tin=tuple(row[n] for n in order),
+        tout=tuple(row[n] + size[n] for n in order),
+        sequences=tuple(tuple(row[n] for n in path) for path in paths),
+    )
+
+
+def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]] | None = None, *,
+                     pad_token_id: int = 0, length: int | None = None, pad_multiple: int = 1) -> Batch:
+    """A Batch of tree lines: `lines` groups example indices (None: all in one line), each group one token trie
+    (`tree_line`), padded to `length` (default the longest line, rounded up to `pad_multiple`).
+
+    The Batch is the usual one (responses numbered example by example, pairs in example order) plus
+    `tree_spans` [B, L, 2] = (tin, tout) of every token ((-1, -1) for padding). doc_ids is 0 for a line's real
+    tokens (one document: the tree), -1 for padding; branch_ids is 0 and carries nothing (the spans do).
+    """
+    lines = [list(range(len(examples)))] if lines is None else [list(line) for line in lines]
+    if sorted(e for line in lines for e in line) != list(range(len(examples))):
+        raise ValueError("lines must hold every example of the batch exactly once")
+    offset = [0]
+    for ex in examples:
+        offset.append(offset[-1] + ex.num_responses)
+    trees = [tree_line([examples[e] for e in line]) for line in lines]
+    longest = max(len(t) for t in trees)
+    L = length if length is not None else _round_up(longest, pad_multiple)
+    if longest > L:
+        raise ValueError(f"a tree line holds {longest} tokens, more than the line length {L}")
+    B = len(lines)
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((B, L), dtype=torch.long)
+    doc_ids = torch.full((B, L), PAD_DOC, dtype=torch.long)
+    spans = torch.full((B, L, 2), -1, dtype=torch.long)
+    R = offset[-1]
+    t_line, t_col, t_ids, t_resp = [], [], [], []
+    r_line = [-1] * R
+    for b, (line, tree) in enumerate(zip(lines, trees)):
+        n = len(tree)
+        input_ids[b, :n] = torch.tensor(tree.input_ids)
+        position_ids[b, :n] = torch.tensor(tree.position_ids)
+        doc_ids[b, :n] = 0
+        spans[b, :n, 0], spans[b, :n, 1] = torch.tensor(tree.tin), torch.tensor(tree.tout)
+        sequences = iter(tree.sequences)
+        for e in line:
+            ex = examples[e]
+            p = len(ex.prompt_ids)
+            for k, response in enumerate(ex.response_ids):
+                seq = next(sequences)
+                r = offset[e] + k
+                r_line[r] = b
+                # token j of the response is predicted by the node before it on its own sequence
+                t_line.extend([b] * len(response))
+                t_col.extend(seq[p - 1 : p - 1 + len(response)])
+                t_ids.extend(response)
+                t_resp.extend([r] * len(response))
+    better = [offset[e] + i for e, ex in enumerate(examples) for i, _ in ex.pairs]
+    worse = [offset[e] + j for e, ex in enumerate(examples) for _, j in ex.pairs]
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return Batch(
+        input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids,
+        branch_ids=torch.zeros((B, L), dtype=torch.long),
+        target_line=as_long(t_line), target_col=as_long(t_col), target_ids=as_long(t_ids),
+        target_response=as_long(t_resp),
+        response_lengths=as_long([len(r) for ex in examples for r in ex.response_ids]),
+        response_line=as_long(r_line), response_doc=torch.zeros(R, dtype=torch.long),
+        response_branch=torch.zeros(R, dtype=torch.long),
+        pair_better=as_long(better), pair_worse=as_long(worse),
+        max_sequence_length=max(len(ex.prompt_ids) + len(r) for ex in examples for r in ex.response_ids),
+        tree_spans=spans,
+    )
+
+
+def lines_in_order(examples: Sequence[Example], pack_length: int) -> list[list[int]]:
+    """Consecutive examples into lines whose prefix-shared rows together fit `pack_length` (next fit, in order;
+    a row longer than that alone in its line): the lines a token trie would share tokens within, as `inspect`
+    estimates it."""
+    lines: list[list[int]] = []
+    room = 0
+    for i, ex in enumerate(examples):
+        if not lines or ex.shared_length > room:
+            lines.append([])
+            room = pack_length
+        lines[-1].append(i)
+        room -= ex.shared_length
+    return lines
