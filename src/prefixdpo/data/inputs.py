@@ -63,4 +63,5 @@ def loader_settings(args, *, train: bool, batch_size: int, pad_token: int, backe
         sequential=train and args.train_sampling_strategy == "sequential",
         seed=args.data_seed if args.data_seed is not None else args.seed,
         grad_accum=args.gradient_accumulation_steps if train else 1,
+        prefix_tree=getattr(args, "prefix_tree", False),
     )

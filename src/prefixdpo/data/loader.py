@@ -14,6 +14,7 @@ zero-weight batch that still runs the model (so the engines' collectives line up
 
 from __future__ import annotations
 
+import logging
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Sequence
 
@@ -25,6 +26,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.packing import (
     RowTooLongError, auto_pack_length, deal_to_ranks, plan_packs,
 )
+from prefixdpo.data.tree import build_tree_batch, plan_tree_lines
 from prefixdpo.errors import UserError
 
 Plan = list[list[list[list[int]]]]  # [rank][micro-batch][line][example index]
@@ -46,6 +48,10 @@ class LoaderSettings:
     sequential:  file order, every epoch: `train_sampling_strategy="sequential"` (transformers'
                  SequentialSampler). Packed, consecutive examples fill a line until the next one does
                  not fit. Takes precedence over `shuffle`.
+    prefix_tree: packed lines are token tries across their examples (`data.tree`): the examples are visited in
+                 trie order (file order when `sequential`), subtrees placed whole into lines by their trie's tokens
+                 (`plan_tree_lines`), and the lines shuffled with (seed, epoch) when `shuffle`. Needs packing and
+                 prefix sharing.
     """
 
     batch_size: int = 1
@@ -59,6 +65,7 @@ class LoaderSettings:
     sequential: bool = False
     seed: int = 0
     grad_accum: int = 1
+    prefix_tree: bool = False
 
 
 def row_length(example: Example, prefix_sharing: bool) -> int:
@@ -123,7 +130,9 @@ def plan_epoch(
         lengths = [row_length(ex, settings.prefix_sharing) for ex in examples]
         pack_length = pack_length or resolve_pack_length(examples, settings)
         _check_rows_fit(examples, lengths, pack_length)
-        if settings.sequential:
+        if settings.prefix_tree:
+            lines = tree_lines(examples, settings, epoch, pack_length)
+        elif settings.sequential:
             lines = pack_in_order(lengths, pack_length)
         else:
             lines = plan_packs(lengths, pack_length, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
@@ -134,6 +143,20 @@ def plan_epoch(
             order = list(range(n))
         lines = [[i] for i in order]
     return deal_to_ranks(lines, world_size, settings.batch_size)
+
+
+def tree_lines(examples: Sequence[Example], settings: LoaderSettings, epoch: int, pack_length: int) -> list[list[int]]:
+    """The lines of tries of one epoch (`plan_tree_lines`): the same lines every epoch (trie order), in a seeded
+    order per epoch when shuffling; file order when sequential."""
+    order = list(range(len(examples))) if settings.sequential else None
+    plan = plan_tree_lines(examples, pack_length, order)
+    if epoch == 0:  # the same lines every epoch (only their order changes): said once
+        logging.getLogger(__name__).info("%s", plan.summary())
+    lines = plan.lines
+    if settings.shuffle and not settings.sequential:
+        perm = np.random.default_rng([int(settings.seed), int(epoch)]).permutation(len(lines)).tolist()
+        lines = [lines[p] for p in perm]
+    return lines
 
 
 def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -> list[int]:
@@ -175,7 +198,7 @@ class MicroBatch:
     example_ids:     [E] long, the batch's examples (indices into the loader's examples), in batch order
     step_pairs:      preference pairs in this micro-batch's whole optimizer step over all ranks (the loss's divisor)
     real_tokens:     tokens that are not padding; slots: B x L
-    shared_tokens:   tokens of the examples' rows as run; unshared_tokens: as standard paired DPO runs them
+    shared_tokens:   tokens of the examples' rows as run (tree lines: their tries' tokens); unshared_tokens: as standard paired DPO runs them
                      (equal when prefix sharing is off)
     ref_logps:       [R] fp32 reference log-prob sums from a precomputed table, in the batch's response order;
                      None without a table
@@ -270,7 +293,8 @@ class MicroBatches(torch.utils.data.Dataset):
             batch, example_ids, total,
             real_tokens=batch.num_real_tokens,
             slots=batch.num_slots,
-            shared_tokens=sum(row_length(ex, self.settings.prefix_sharing) for ex in exs),
+            shared_tokens=batch.num_real_tokens if batch.is_tree else sum(
+                row_length(ex, self.settings.prefix_sharing) for ex in exs),
             unshared_tokens=sum(ex.unshared_length for ex in exs),
             ref_logps=None if self.ref_table is None else self.ref_table.gather(example_ids),
             margins=pair_margins(exs),
@@ -284,6 +308,9 @@ class MicroBatches(torch.utils.data.Dataset):
             for line in lines:
                 local.append(list(range(k, k + len(line))))
                 k += len(line)
+            if self.settings.prefix_tree:
+                return build_tree_batch(exs, [p for p in local if p], pad_token_id=self.settings.pad_token_id,
+                                        length=self.pack_length)
             return build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=[p for p in local if p],
                                pad_token_id=self.settings.pad_token_id, length=self.pack_length)
         return build_batch(exs, prefix_sharing=self.settings.prefix_sharing, packs=None,

@@ -17,8 +17,8 @@ sequence (the prompt's last token for the first one), wherever in the line that 
 
 The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
 (`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
-and the MoE aux loss. Nothing in training
-builds them yet: `bench` runs them (`trie-packed`) and `inspect` estimates them.
+and the MoE aux loss. DPO training builds them with `prefix_tree=true` (the loader plans its lines with
+`plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` estimates them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from prefixdpo.data.batch import PAD_DOC, Batch, _round_up
@@ -182,3 +183,109 @@ def lines_in_order(examples: Sequence[Example], pack_length: int) -> list[list[i
         lines[-1].append(i)
         room -= ex.shared_length
     return lines
+
+
+# ---- planning lines of tries (training's `prefix_tree`) ----------------------------------------------------------
+
+
+def _added_tokens(root: dict[int, dict], example: Example) -> int:
+    """Nodes `example`'s sequences add to the trie `root` (inserting them)."""
+    added = 0
+    for response in example.response_ids:
+        node = root
+        for t in example.prompt_ids + response:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                added += 1
+            node = nxt
+    return added
+
+
+def trie_costs(examples: Sequence[Example], order: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(alone, added), each [N] over `order`: the tokens of each example's own trie, and what it adds to the trie of
+    the example before it in `order` (alone for the first). `added` bounds what an example adds to any line that
+    holds the one before it: a trie holding more sequences already has at least those nodes."""
+    alone, added = [], []
+    previous = None
+    for i in order:
+        ex = examples[i]
+        own = _added_tokens({}, ex)
+        alone.append(own)
+        if previous is not None:
+            before: dict[int, dict] = {}  # a bare trie (nested dicts) of the previous example's sequences
+            _added_tokens(before, previous)
+            own = _added_tokens(before, ex)
+        added.append(own)
+        previous = ex
+    return alone, added
+
+
+def _units(alone: Sequence[int], added: Sequence[int], pack_length: int) -> list[tuple[int, int]]:
+    """Runs [a, b) of consecutive positions, each a subtree that fits a line whole: a run too big is cut where its
+    neighbours share fewest tokens (its root's children), again until every run fits (one example always does)."""
+    cumulative = np.concatenate([[0], np.cumsum(added)]).tolist()
+    size = lambda a, b: alone[a] + cumulative[b] - cumulative[a + 1]  # noqa: E731 (tokens of run [a, b) alone)
+    units, todo = [], [(0, len(alone))]
+    while todo:
+        a, b = todo.pop()
+        if b - a == 1 or size(a, b) <= pack_length:
+            units.append((a, b))
+            continue
+        shared = [alone[i] - added[i] for i in range(a + 1, b)]
+        least = min(shared)
+        bounds = [a, *(a + 1 + k for k, s in enumerate(shared) if s == least), b]
+        todo.extend(reversed(list(zip(bounds, bounds[1:]))))
+    return units
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Lines of tries over examples: `lines` [line][example index]; `splits` lines that repeat a prefix the line
+    before them also holds (a subtree too big for one line, or cut by a line's end); `repeated_tokens` their
+    shared tokens, computed once more than a line without limit would."""
+
+    lines: list[list[int]]
+    splits: int = 0
+    repeated_tokens: int = 0
+
+    def summary(self) -> str:
+        """One line for logs."""
+        return (f"prefix_tree: {sum(map(len, self.lines))} examples in {len(self.lines)} lines of tries; {self.splits} "
+                f"lines repeat a prefix of the line before ({self.repeated_tokens} tokens computed again)")
+
+
+def plan_tree_lines(examples: Sequence[Example], pack_length: int, order: Sequence[int] | None = None) -> TreePlan:
+    """Examples into lines whose tries (`tree_line`) hold at most `pack_length` tokens, visited in `order` (default
+    `trie_order`, which puts the examples of one subtree side by side).
+
+    Subtrees are placed whole: the visiting order is cut into runs that fit a line (`_units`: a run too big is split
+    into its root's children, each line then repeating their shared prefix, counted), and runs fill lines next fit,
+    a run sharing tokens with the one before it in its line paying only for the rest. Every example's own row fits
+    `pack_length` (the loader checks it), so every example has a line."""
+    order = list(trie_order(examples) if order is None else order)
+    if not order:
+        return TreePlan([])
+    alone, added = trie_costs(examples, order)
+    lines: list[list[int]] = []
+    room = splits = repeated = 0
+    for a, b in _units(alone, added, pack_length):
+        cost_here = sum(added[a:b])  # next to the example before it (a > 0 whenever a line is open)
+        if lines and cost_here <= room:
+            lines[-1].extend(order[a:b])
+            room -= cost_here
+            continue
+        whole = alone[a] + sum(added[a + 1:b])
+        if lines and alone[a] > added[a]:  # this line repeats what the first example shares with the line before
+            splits += 1
+            repeated += alone[a] - added[a]
+        lines.append(list(order[a:b]))
+        room = pack_length - whole
+    return TreePlan(lines, splits, repeated)
+
+
+def trie_order(examples: Sequence[Example]) -> list[int]:
+    """Example indices sorted by their token sequences (prompt, then responses): examples that share leading tokens
+    (a system prompt, a prompt, the earlier turns of a dialogue) come side by side, a prompt before its longer
+    continuations."""
+    return sorted(range(len(examples)), key=lambda i: (examples[i].prompt_ids, examples[i].response_ids))

@@ -30,6 +30,16 @@ GROUP_BY_PROMPT_HELP = (
     "explicit pack_length a group too long for a line is split, each part repeating the prompt (counted).")
 
 
+PREFIX_TREE_HELP = (
+    "Packed lines become token tries across their records (DPO training): tokens several records share from "
+    "their start (a system prompt, a prompt several records name, the earlier turns of a dialogue) run once per "
+    "line, every pair's loss unchanged. Needs prefix_sharing and packing, and attention sdpa, segmented or flex. "
+    "Off by default because, as group_by_prompt, it changes which pairs share an optimizer step: lines are "
+    "filled with records of one subtree side by side (the same lines every epoch, in a shuffled order), not "
+    "best-fit by length; a subtree too big for a line is split, each part repeating the shared prefix (counted). "
+    "`prefixdpo inspect` shows what it saves.")
+
+
 @dataclass
 class PrefixSharingOptions:
     """How examples become lines: one prefix-shared row per example, packed or not, and the attention backend."""
@@ -39,6 +49,7 @@ class PrefixSharingOptions:
         default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
     pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
     group_by_prompt: bool = field(default=False, metadata={"help": GROUP_BY_PROMPT_HELP})
+    prefix_tree: bool = field(default=False, metadata={"help": PREFIX_TREE_HELP})
     attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
 
 
@@ -187,6 +198,9 @@ def check_shared_options(args) -> None:
                               "or leave pack_length out")
     if args.group_by_prompt and not args.prefix_sharing:
         raise ConfigError("group_by_prompt=true needs prefix_sharing=true: a group is one prefix-shared row")
+    if args.prefix_tree and not (args.prefix_sharing and args.packing):
+        raise ConfigError("prefix_tree=true needs prefix_sharing=true and packing=true: a trie shares tokens across "
+                          "the records of one packed line")
     check_nonfinite_options(args.nonfinite, args.nonfinite_max_consecutive)
     if args.train_sampling_strategy not in ("random", "sequential"):
         # Trainer's samplers are replaced by our micro-batch plan; packing is how we group by length.

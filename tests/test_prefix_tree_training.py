@@ -1,0 +1,209 @@
+"""`prefix_tree=true`: DPO training on packed lines that are token tries across records (`data.tree`).
+
+What it must keep: every example in exactly one line, each line's trie within pack_length, the records of one
+subtree side by side (a subtree too big for a line split, each part repeating the shared prefix, counted); every
+pair's loss and log-prob sums from the loader's tree lines equal to its own prefix-shared row's (fp32, 1e-6 x the
+log-prob scale), on the dense SDPA mask and on the segment plan. One optimizer step on a 3-turn dialogue file (a
+pair at each turn, each later turn's prompt holding the earlier turns, all behind one system prompt) and on an
+SHP-like file (several comment pairs per post, one record each) with tries equals standard DPO (every
+`[prompt][response]` its own row) over the same pairs in one step: loss 1e-5 relative, gradients 1e-5 relative to
+their largest entry. What cannot run trees is refused in one line before training. About 20 s on 2 busy CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig, PrefixRewardTrainer
+from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.model_checks import prepare_model
+from prefixdpo.data.batch import build_batch
+from prefixdpo.data.example import Example
+from prefixdpo.data.loader import LoaderSettings, MicroBatches
+from prefixdpo.data.tree import plan_tree_lines, tree_line
+from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.reference import SeparateModelReference
+from prefixdpo.dpo.step import Objective, pair_losses
+from prefixdpo.errors import ConfigError
+from test_grouping import _dpo_config, _flat, _shp_file, shp_like
+from test_tree import _ids, dialogue
+
+
+def _system_prompted(g: random.Random, system: tuple[int, ...], prompts: int) -> list[Example]:
+    """`prompts` prompts behind `system`, two records each (K = 2)."""
+    out = []
+    for _ in range(prompts):
+        prompt = system + _ids(g, g.randrange(3, 7))
+        out += [Example(prompt, (_ids(g, 3), _ids(g, 4)), ((0, 1),)) for _ in range(2)]
+    return out
+
+
+def test_plan_places_subtrees_whole_and_splits_a_too_big_one_repeating_its_prefix():
+    g = random.Random(0)
+    system = _ids(g, 10)
+    examples = dialogue(g, 3) + _system_prompted(g, system, 3) + dialogue(g, 2)
+    examples = [Example(ex.prompt_ids, ex.response_ids, ex.pairs, i) for i, ex in enumerate(examples)]
+    g.shuffle(examples)
+    for pack_length in (45, 60, 400):
+        plan = plan_tree_lines(examples, pack_length)
+        assert sorted(e for line in plan.lines for e in line) == list(range(len(examples)))
+        sizes = [len(tree_line([examples[e] for e in line])) for line in plan.lines]
+        assert max(sizes) <= pack_length
+        if pack_length == 400:  # one line: the trie of everything, nothing repeated
+            assert len(plan.lines) == 1 and plan.splits == plan.repeated_tokens == 0
+            assert sizes[0] < sum(ex.shared_length for ex in examples)
+    # 60: the system prompt's subtree (6 records) does not fit one line: it is cut between its prompts, each part
+    # repeating the 10 system tokens; each prompt's two records stay together
+    plan = plan_tree_lines(examples, 60)
+    prompt_lines = {}
+    for n, line in enumerate(plan.lines):
+        for e in line:
+            if examples[e].prompt_ids[:10] == system:
+                prompt_lines.setdefault(examples[e].prompt_ids, set()).add(n)
+    assert len(prompt_lines) == 3 and all(len(lines) == 1 for lines in prompt_lines.values())
+    assert len({n for lines in prompt_lines.values() for n in lines}) >= 2
+    assert plan.splits >= 1 and plan.repeated_tokens >= 10 * plan.splits
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "segmented"])
+def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend):
+    """The loader's tree micro-batches (shuffled line order, two lines each, padded) vs each example's own
+    prefix-shared row: every pair's combined loss (sigmoid + ipo, a reference that is not the policy) and log-prob
+    sums, fp32 1e-6 of the log-prob scale."""
+    g = random.Random(1)
+    examples = dialogue(g, 3) + _system_prompted(g, _ids(g, 8), 2) + dialogue(g, 3)
+    examples = [Example(ex.prompt_ids, ex.response_ids, ex.pairs, i) for i, ex in enumerate(examples)]
+    policy, ref = tiny_model("llama"), tiny_model("llama")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.9)
+    for model in (policy, ref):
+        prepare_model(model, backend)  # prefixdpo's attention, running the backend's mask
+    reference = SeparateModelReference(ref, backend=backend)
+    objective = Objective(("sigmoid", "ipo"), (1.0, 0.5), LossParams(beta=0.5))
+    micro = MicroBatches(examples, LoaderSettings(batch_size=2, packing=True, pack_length=64, prefix_tree=True))
+
+    tree, trie_tokens = {}, 0
+    for m in range(len(micro)):
+        item = micro[m]
+        assert item.batch.is_tree and item.batch.input_ids.shape[1] == 64
+        trie_tokens += item.shared_tokens
+        step = pair_losses(policy, item.batch, batch_attention_mask(item.batch, backend), reference=reference,
+                           objective=objective)
+        for e, loss, c, r in zip(item.example_ids.tolist(), step.losses.tolist(),
+                                 step.pairs.policy_chosen_logps.tolist(), step.pairs.policy_rejected_logps.tolist()):
+            tree[e] = (loss, c, r)
+    assert sorted(tree) == list(range(len(examples)))
+    assert trie_tokens < 0.8 * sum(ex.shared_length for ex in examples)  # the tries really share across records
+    alone = {}
+    for e, ex in enumerate(examples):
+        batch = build_batch([ex])
+        step = pair_losses(policy, batch, batch_attention_mask(batch, backend), reference=reference,
+                           objective=objective)
+        alone[e] = (step.losses.item(), step.pairs.policy_chosen_logps.item(), step.pairs.policy_rejected_logps.item())
+    scale = max(1.0, *(abs(v) for values in alone.values() for v in values[1:]))
+    worst = max(abs(a - b) for e in alone for a, b in zip(alone[e], tree[e]))
+    assert worst <= 1e-6 * scale
+    assert max(v[0] for v in alone.values()) - min(v[0] for v in alone.values()) > 0.1
+
+
+def _dialogue_file(tmp_path, dialogues: int = 3, turns: int = 3, seed: int = 0) -> tuple[str, int]:
+    """A conversational JSONL file: `dialogues` dialogues behind one system prompt, a pair at each of `turns`
+    turns; turn t's prompt is the system prompt, the earlier turns (user message, chosen reply) and its own user
+    message. Records of the dialogues interleaved, as a file of turns may list them."""
+    g = random.Random(seed)
+    words = "the cat dog sat ran on a mat hat big small red blue why how it is was not".split()
+    say = lambda n: " ".join(g.choice(words) for _ in range(n))  # noqa: E731
+    system = {"role": "system", "content": "You are a helpful assistant. " + say(12)}
+    records = []
+    for _ in range(dialogues):
+        history = [system]
+        for _ in range(turns):
+            history = history + [{"role": "user", "content": say(g.randrange(4, 9))}]
+            chosen, rejected = say(g.randrange(2, 7)), say(g.randrange(2, 7))
+            records.append({"prompt": history, "chosen": [{"role": "assistant", "content": chosen}],
+                            "rejected": [{"role": "assistant", "content": rejected}]})
+            history = history + [{"role": "assistant", "content": chosen}]
+    g.shuffle(records)
+    path = tmp_path / "dialogues.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path), len(records)
+
+
+def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, **tree_options):
+    """One SGD step with tries (every line in one micro-batch) vs standard DPO (two rows per record) on `path`,
+    a reference that is not the policy; returns (tree trainer, tree log)."""
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    vocab = len(tokenizer)
+    start = tiny_model("llama", vocab_size=vocab)
+
+    def run(name, **kw):
+        ref = tiny_model("llama", vocab_size=vocab)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(0.9)
+        trainer = PrefixDPOTrainer(model=tiny_model("llama", vocab_size=vocab), ref_model=ref,
+                                   args=_dpo_config(tmp_path, name, **kw), train_dataset=path,
+                                   processing_class=tokenizer)
+        trainer.train()
+        (log,) = [h for h in trainer.state.log_history if "loss" in h]
+        return trainer, log
+
+    tree, t_log = run("tree", prefix_tree=True, packing=True, per_device_train_batch_size=n_records, **tree_options)
+    standard, s_log = run("standard", prefix_sharing=False, per_device_train_batch_size=n_records)
+    assert len(tree._train_micro) == 1 and tree._train_micro[0].batch.is_tree
+    assert t_log["loss"] == pytest.approx(s_log["loss"], rel=1e-5)
+    assert t_log["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
+    t_grad, s_grad = ((_flat(start) - _flat(t.model)) / 10.0 for t in (tree, standard))
+    scale = s_grad.abs().max().item()
+    assert scale > 1e-4 and (t_grad - s_grad).abs().max().item() <= 1e-5 * scale
+    return tree, t_log
+
+
+def test_one_step_on_a_three_turn_dialogue_file_equals_standard_dpo(tmp_path):
+    path, n_records = _dialogue_file(tmp_path)
+    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, pack_length=1024)
+    micro = tree._train_micro[0]
+    per_record = sum(tree.train_dataset[e].shared_length for e in micro.example_ids.tolist())
+    # the system prompt once per line and each dialogue's earlier turns once: far below per-record sharing
+    assert micro.shared_tokens < 0.5 * per_record
+    assert log["prefix_sharing/tokens_saved"] > 0.7
+
+
+@pytest.mark.parametrize("group_by_prompt", [False, True])
+def test_one_step_on_an_shp_like_file_with_tries_equals_standard_dpo(tmp_path, group_by_prompt):
+    path, n_records = _shp_file(tmp_path)
+    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, group_by_prompt=group_by_prompt)
+    micro = tree._train_micro[0]
+    per_record = sum(tree.train_dataset[e].shared_length for e in micro.example_ids.tolist())
+    assert micro.shared_tokens < (per_record if group_by_prompt else 0.6 * per_record)
+
+
+def test_prefix_tree_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    from prefixdpo.commands.train import parse_train_args
+    from prefixdpo.training import base
+
+    assert PrefixDPOConfig(output_dir=str(tmp_path)).prefix_tree is False
+    config, *_ = parse_train_args(["--output_dir", str(tmp_path), "--prefix_tree", "true", "--packing", "true"])
+    assert config.prefix_tree is True
+    with pytest.raises(ConfigError, match="prefix_tree=true needs prefix_sharing=true and packing=true"):
+        PrefixDPOConfig(output_dir=str(tmp_path), prefix_tree=True)
+    with pytest.raises(ConfigError, match="prefix_tree=true needs"):
+        PrefixDPOConfig(output_dir=str(tmp_path), prefix_tree=True, packing=True, prefix_sharing=False)
+    examples = shp_like(2)
+    monkeypatch.setattr(base, "resolve_backend", lambda *a, **k: "varlen")  # a backend whose plan ignores trees
+    with pytest.raises(ConfigError, match="attention='varlen' does not follow tree lines"):
+        PrefixDPOTrainer(model=tiny_model("llama"), args=_dpo_config(tmp_path, "v", prefix_tree=True, packing=True),
+                         train_dataset=examples)
+    monkeypatch.undo()
+    args = PrefixRewardConfig(output_dir=str(tmp_path / "r"), use_cpu=True, report_to="none", packing=True,
+                              prefix_tree=True)
+    with pytest.raises(ConfigError, match="reward scores do not follow tree lines"):
+        PrefixRewardTrainer(model=None, args=args, train_dataset=examples)
