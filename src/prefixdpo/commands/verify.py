@@ -23,6 +23,11 @@ DEFAULT_RESPONSES = [
     " Nothing happened that day or the next.",
 ]
 
+# the tree case: every record behind this system prompt, one record per pair (records of a prompt share it)
+DEFAULT_SYSTEM_PROMPT = "System: you are a careful assistant. Answer briefly and truthfully.\n"
+TREE_BACKENDS = ("sdpa", "segmented", "flex")  # prefixdpo.core.attention.backends.TREE_BACKENDS (no torch here)
+TREE_CASE = "trie (system prompt + shared prompts)"
+
 # prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch (tested equal)
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
 
@@ -98,6 +103,22 @@ def _examples(tokenizer, text_file: str | None):
     return examples
 
 
+def _tree_examples(tokenizer, examples):
+    """The tree case's records: each example's pairs as records of their own (a prompt named by several records, a
+    response by several), every prompt behind `DEFAULT_SYSTEM_PROMPT`: a trie of depth 2 and more."""
+    from prefixdpo.data.example import Example
+
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    system = tokenizer(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)["input_ids"]
+    records = []
+    for ex in examples:
+        prompt = bos + system + list(ex.prompt_ids[len(bos):])
+        for i, j in ex.pairs:
+            records.append(Example(prompt, [ex.response_ids[i], ex.response_ids[j]], pairs=[(0, 1)],
+                                   source_index=ex.source_index))
+    return records
+
+
 def resolve_attention(attention: str, device: str) -> str:
     """The backend `--attention` names on `--device`, or a one-line `UserError` where it cannot run there: every
     comparison needs a backward, which FlexAttention lacks on CPU (and torch's CPU compile of it fails on some
@@ -162,12 +183,22 @@ def run(args) -> int:
     check_positions(model, examples, args.text_file or "built-in")  # a line over the model's positions: one line
     n = len(examples)
     pad_multiple = 128 if backend == "flex" else 1
-    cases = [  # (name, packs, prefix_sharing)
-        ("unpacked (one row per example)", None, True),
-        ("packed (all examples in one row)", [list(range(n))], True),
-        ("packed (two rows, with padding)", [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]], True),
-        ("standard sequences packed, no sharing", [list(range(n))], False),
+    cases = [  # (name, examples, packs, prefix_sharing, tree)
+        ("unpacked (one row per example)", examples, None, True, False),
+        ("packed (all examples in one row)", examples, [list(range(n))], True, False),
+        ("packed (two rows, with padding)", examples,
+         [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]], True, False),
+        ("standard sequences packed, no sharing", examples, [list(range(n))], False, False),
     ]
+    tree_note = None
+    if args.task == "reward":
+        tree_note = "reward scores do not follow tree lines yet"
+    elif backend not in TREE_BACKENDS:
+        tree_note = f"attention={backend} does not follow tree lines"
+    else:
+        records = _tree_examples(tokenizer, examples)
+        check_positions(model, records, args.text_file or "built-in")
+        cases.append((TREE_CASE, records, None, True, True))
     arch = type(model).__name__
     try:
         check_model_supported(model, backend)
@@ -183,15 +214,17 @@ def run(args) -> int:
           f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
     print(f"{'case':38} {f'max |d{quantity}|':>12} {'max |dgrad|':>12}  result")
     failed = False
-    for name, packs, sharing in cases:
+    for name, case_examples, packs, sharing, tree in cases:
         result = compare_fn(
-            model, examples, packs=packs, backend=backend, case=name, pad_multiple=pad_multiple,
-            restart_positions=not args.no_restart_positions, prefix_sharing=sharing,
+            model, case_examples, packs=packs, backend=backend, case=name, pad_multiple=pad_multiple,
+            restart_positions=not args.no_restart_positions, prefix_sharing=sharing, **({"tree": True} if tree else {}),
         )
         ok = result.ok(logp_tol, grad_tol)
         failed |= not ok
         grad = "n/a" if result.grad_diff is None else f"{result.grad_diff:.3e}"
         print(f"{name:38} {result.logp_diff:12.3e} {grad:>12}  {'ok' if ok else 'FAIL'}")
+    if tree_note:
+        print(f"{TREE_CASE:38} {'n/a':>12} {'n/a':>12}  skipped: {tree_note}")
     print("verdict: " + ("FAIL: prefix sharing does not match separate passes" if failed else
                          "prefix sharing matches separate passes"))
     return 1 if failed else 0

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import build_batch
+from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import base_model, prepare_model, text_config
 from prefixdpo.core.forward import compute_response_logps
@@ -102,19 +103,23 @@ def _grads(model) -> torch.Tensor:
 
 def compare(
     model, examples: list[Example], *, packs=None, backend: str = "sdpa", restart_positions: bool = True,
-    case: str = "", pad_multiple: int = 1, prefix_sharing: bool = True,
+    case: str = "", pad_multiple: int = 1, prefix_sharing: bool = True, tree: bool = False,
 ) -> VerifyResult:
     """Max abs diff of per-response logps and of DPO-loss gradients, our layout vs separate stock passes.
 
     prefix_sharing=False lays the standard `[prompt][response]` sequences out instead (each its own
     document; with `packs`, an example's sequences share its packed line), as training does without
-    prefix sharing. Gradients are compared only where the backend has a backward on the model's device
-    (FlexAttention on CPU is forward only): otherwise `grad_diff` is None.
+    prefix sharing. tree=True lays each pack out as one token trie across its examples (`data.tree`, as training's
+    `prefix_tree` does; packs None: all in one line). Gradients are compared only where the backend has a backward
+    on the model's device (FlexAttention on CPU is forward only): otherwise `grad_diff` is None.
     restart_positions=False deliberately breaks the layout (positions run on through the row): used to
     show the check catches a wrong setup.
     """
     device = next(model.parameters()).device
-    batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple)
+    if tree:
+        batch = build_tree_batch(examples, packs, pad_multiple=pad_multiple)
+    else:
+        batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple)
     if not restart_positions:
         L = batch.input_ids.shape[1]
         batch.position_ids = torch.arange(L).expand_as(batch.input_ids).clone()
@@ -126,7 +131,7 @@ def compare(
     with torch.set_grad_enabled(with_grad):
         reference = separate_pass_logps(model, examples)
         prepare_model(model, backend)
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        mask = batch_attention_mask(batch, backend)
         ours = compute_response_logps(model, batch, mask).sums
     result = VerifyResult(
         case=case,
