@@ -70,6 +70,19 @@ def test_plan_places_subtrees_whole_and_splits_a_too_big_one_repeating_its_prefi
     assert plan.splits >= 1 and plan.repeated_tokens >= 10 * plan.splits
 
 
+def test_tree_lines_are_the_same_every_epoch_and_in_file_order_when_sequential():
+    g = random.Random(2)
+    examples = _system_prompted(g, _ids(g, 8), 3) + dialogue(g, 3)
+    settings = LoaderSettings(batch_size=1, packing=True, pack_length=48, prefix_tree=True, seed=3)
+    micro = MicroBatches(examples, settings)
+    lines = {m: [tuple(line) for mb in micro.plan[0] for line in mb] for m in range(3) if not micro.set_epoch(m)}
+    assert all(sorted(lines[m]) == sorted(lines[0]) for m in lines) and lines[1] != lines[0]  # reshuffled order
+    sequential = MicroBatches(examples, LoaderSettings(batch_size=1, packing=True, pack_length=48, prefix_tree=True,
+                                                       sequential=True))
+    visited = [e for mb in sequential.plan[0] for line in mb for e in line]
+    assert visited == list(range(len(examples)))
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "segmented"])
 def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend):
     """The loader's tree micro-batches (shuffled line order, two lines each, padded) vs each example's own
@@ -137,7 +150,8 @@ def _dialogue_file(tmp_path, dialogues: int = 3, turns: int = 3, seed: int = 0) 
 
 def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, **tree_options):
     """One SGD step with tries (every line in one micro-batch) vs standard DPO (two rows per record) on `path`,
-    a reference that is not the policy; returns (tree trainer, tree log)."""
+    a reference that is not the policy; then both evaluate their examples with the trained weights (the tree run on tree
+    lines again). Returns (tree trainer, tree log)."""
     from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
@@ -164,12 +178,17 @@ def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, **tree_op
     t_grad, s_grad = ((_flat(start) - _flat(t.model)) / 10.0 for t in (tree, standard))
     scale = s_grad.abs().max().item()
     assert scale > 1e-4 and (t_grad - s_grad).abs().max().item() <= 1e-5 * scale
+    t_eval, s_eval = (t.evaluate(eval_dataset=list(t.train_dataset))["eval_loss"] for t in (tree, standard))
+    assert t_eval == pytest.approx(s_eval, rel=1e-5) and t_eval != pytest.approx(t_log["loss"], rel=1e-3)
     return tree, t_log
 
 
-def test_one_step_on_a_three_turn_dialogue_file_equals_standard_dpo(tmp_path):
+@pytest.mark.parametrize("precompute", [False, True])
+def test_one_step_on_a_three_turn_dialogue_file_equals_standard_dpo(tmp_path, precompute):
+    """precompute: the tree run's reference sums come from a precomputed table (gathered in tree-line order)."""
     path, n_records = _dialogue_file(tmp_path)
-    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, pack_length=1024)
+    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, pack_length=1024,
+                                              **({"precompute_ref_log_probs": True, "ref_cache_dir": str(tmp_path / "c")} if precompute else {}))
     micro = tree._train_micro[0]
     per_record = sum(tree.train_dataset[e].shared_length for e in micro.example_ids.tolist())
     # the system prompt once per line and each dialogue's earlier turns once: far below per-record sharing
