@@ -70,6 +70,23 @@ def test_plan_places_subtrees_whole_and_splits_a_too_big_one_repeating_its_prefi
     assert plan.splits >= 1 and plan.repeated_tokens >= 10 * plan.splits
 
 
+def test_a_prefix_every_record_shares_is_counted_once_per_line_and_is_no_split():
+    """16 records of 8 prompts behind one 12-token system prompt: lines are filled best fit with the system prompt
+    counted once per line (every line holds it), so they hold more records than packed rows, and nothing is a
+    split."""
+    from prefixdpo.data.packing import plan_packs
+
+    g = random.Random(3)
+    examples = _system_prompted(g, _ids(g, 12), 8)
+    plan = plan_tree_lines(examples, 128)
+    assert max(len(tree_line([examples[e] for e in line])) for line in plan.lines) <= 128
+    assert plan.splits == plan.repeated_tokens == 0
+    assert len(plan.lines) < len(plan_packs([ex.shared_length for ex in examples], 128))
+    for line in plan.lines:  # a prompt's two records in one line
+        prompts = [examples[e].prompt_ids for e in line]
+        assert all(prompts.count(p) == 2 for p in prompts)
+
+
 def test_tree_lines_are_the_same_every_epoch_and_in_file_order_when_sequential():
     g = random.Random(2)
     examples = _system_prompted(g, _ids(g, 8), 3) + dialogue(g, 3)

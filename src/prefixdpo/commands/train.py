@@ -186,6 +186,8 @@ def run(args) -> int:
 
     print()
     print(f"Engine: {trainer.engine_description}")
+    if trainer._train_micro is not None and trainer._train_micro.tree_plan is not None:
+        print(f"Train data: {trainer._train_micro.tree_plan.summary()}")
     if prepared.eval_examples:
         metrics = trainer.evaluate()
         accuracy = metrics.get("eval_rewards/accuracies")

@@ -26,7 +26,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.packing import (
     RowTooLongError, auto_pack_length, deal_to_ranks, plan_packs,
 )
-from prefixdpo.data.tree import build_tree_batch, plan_tree_lines
+from prefixdpo.data.tree import TreePlan, build_tree_batch, plan_tree_lines
 from prefixdpo.errors import UserError
 
 Plan = list[list[list[list[int]]]]  # [rank][micro-batch][line][example index]
@@ -115,7 +115,8 @@ def _check_rows_fit(examples: Sequence[Example], lengths: Sequence[int], pack_le
 
 
 def plan_epoch(
-    examples: Sequence[Example], settings: LoaderSettings, epoch: int, world_size: int, pack_length: int | None = None
+    examples: Sequence[Example], settings: LoaderSettings, epoch: int, world_size: int, pack_length: int | None = None,
+    tree_plan: TreePlan | None = None,
 ) -> Plan:
     """The global plan of one epoch: for every rank, its micro-batches of lines of example indices.
 
@@ -123,7 +124,7 @@ def plan_epoch(
     (`deal_to_ranks`): micro-batch k on all ranks together covers the same lines as micro-batch k of one
     process with world_size x the batch size, so the optimizer steps hold the same pairs whatever the
     world size and accumulation (what makes a W-rank run equal a 1-process run). Every rank gets the
-    same number of micro-batches.
+    same number of micro-batches. With `settings.prefix_tree`, the lines are `tree_plan`'s (planned here when None).
     """
     n = len(examples)
     if settings.packing:
@@ -131,7 +132,7 @@ def plan_epoch(
         pack_length = pack_length or resolve_pack_length(examples, settings)
         _check_rows_fit(examples, lengths, pack_length)
         if settings.prefix_tree:
-            lines = tree_lines(examples, settings, epoch, pack_length)
+            lines = tree_lines(tree_plan or plan_trees(examples, settings, pack_length), settings, epoch)
         elif settings.sequential:
             lines = pack_in_order(lengths, pack_length)
         else:
@@ -145,18 +146,20 @@ def plan_epoch(
     return deal_to_ranks(lines, world_size, settings.batch_size)
 
 
-def tree_lines(examples: Sequence[Example], settings: LoaderSettings, epoch: int, pack_length: int) -> list[list[int]]:
-    """The lines of tries of one epoch (`plan_tree_lines`): the same lines every epoch (trie order), in a seeded
-    order per epoch when shuffling; file order when sequential."""
-    order = list(range(len(examples))) if settings.sequential else None
-    plan = plan_tree_lines(examples, pack_length, order)
-    if epoch == 0:  # the same lines every epoch (only their order changes): said once
-        logging.getLogger(__name__).info("%s", plan.summary())
-    lines = plan.lines
+def tree_lines(tree_plan: TreePlan, settings: LoaderSettings, epoch: int) -> list[list[int]]:
+    """The lines of tries of one epoch: `tree_plan`'s (the same every epoch), in a seeded order per epoch when
+    shuffling (kept as planned when sequential or not shuffling)."""
+    lines = tree_plan.lines
     if settings.shuffle and not settings.sequential:
         perm = np.random.default_rng([int(settings.seed), int(epoch)]).permutation(len(lines)).tolist()
         lines = [lines[p] for p in perm]
     return lines
+
+
+def plan_trees(examples: Sequence[Example], settings: LoaderSettings, pack_length: int) -> TreePlan:
+    """The lines of tries of every epoch (`plan_tree_lines`): examples in trie order, or file order when
+    sequential."""
+    return plan_tree_lines(examples, pack_length, list(range(len(examples))) if settings.sequential else None)
 
 
 def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -> list[int]:
@@ -262,6 +265,12 @@ class MicroBatches(torch.utils.data.Dataset):
         self.rank, self.world_size = int(rank), int(world_size)
         self.ref_table = ref_table  # precomputed reference sums (reference.RefLogpsTable) or None
         self.pack_length = resolve_pack_length(self.examples, self.plan_settings)
+        # tries are planned once: their lines are the same every epoch (only their order changes)
+        self.tree_plan = None
+        if self.plan_settings.packing and self.plan_settings.prefix_tree:
+            _check_rows_fit(self.examples, [row_length(ex, True) for ex in self.examples], self.pack_length)
+            self.tree_plan = plan_trees(self.examples, self.plan_settings, self.pack_length)
+            logging.getLogger(__name__).info("%s", self.tree_plan.summary())
         self.epoch = -1
         self._length: int | None = None
         self.set_epoch(0)
@@ -269,7 +278,7 @@ class MicroBatches(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
-        plan = plan_epoch(self.examples, self.plan_settings, epoch, self.world_size, self.pack_length)
+        plan = plan_epoch(self.examples, self.plan_settings, epoch, self.world_size, self.pack_length, self.tree_plan)
         if self._length is None:
             self._length = len(plan[0])
         plan = [_fit(rank_plan, self._length) for rank_plan in plan]

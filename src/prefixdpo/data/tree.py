@@ -31,6 +31,7 @@ import torch
 
 from prefixdpo.data.batch import PAD_DOC, Batch, _round_up
 from prefixdpo.data.example import Example
+from prefixdpo.data.packing import plan_packs
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,9 @@ def _units(alone: Sequence[int], added: Sequence[int], pack_length: int) -> list
 
 @dataclass(frozen=True)
 class TreePlan:
-    """Lines of tries over examples: `lines` [line][example index]; `splits` lines that repeat a prefix the line
-    before them also holds (a subtree too big for one line, or cut by a line's end); `repeated_tokens` their
-    shared tokens, computed once more than a line without limit would."""
+    """Lines of tries over examples: `lines` [line][example index]; `splits` subtrees cut across lines (too big for
+    one line, or cut by a line's end), each part repeating their shared prefix; `repeated_tokens` the tokens so
+    computed again (beyond the prefix every sequence starts with, which every line holds anyway)."""
 
     lines: list[list[int]]
     splits: int = 0
@@ -252,36 +253,59 @@ class TreePlan:
     def summary(self) -> str:
         """One line for logs."""
         return (f"prefix_tree: {sum(map(len, self.lines))} examples in {len(self.lines)} lines of tries; {self.splits} "
-                f"lines repeat a prefix of the line before ({self.repeated_tokens} tokens computed again)")
+                f"subtrees cut across lines, repeating their prefix ({self.repeated_tokens} tokens computed again)")
+
+
+def common_prefix(examples: Sequence[Example]) -> int:
+    """Tokens every `[prompt][response]` sequence of `examples` starts with (a BOS, a chat template's header, a system
+    prompt): every line of tries holds them, whatever the lines."""
+    first = examples[0].prompt_ids + examples[0].response_ids[0]
+    n = len(first)
+    for ex in examples:
+        for response in ex.response_ids:
+            sequence = ex.prompt_ids + response
+            n = min(n, len(sequence))
+            while n and sequence[:n] != first[:n]:
+                n -= 1
+    return n
 
 
 def plan_tree_lines(examples: Sequence[Example], pack_length: int, order: Sequence[int] | None = None) -> TreePlan:
-    """Examples into lines whose tries (`tree_line`) hold at most `pack_length` tokens, visited in `order` (default
-    `trie_order`, which puts the examples of one subtree side by side).
+    """Examples into lines whose tries (`tree_line`) hold at most `pack_length` tokens.
 
-    Subtrees are placed whole: the visiting order is cut into runs that fit a line (`_units`: a run too big is split
-    into its root's children, each line then repeating their shared prefix, counted), and runs fill lines next fit,
-    a run sharing tokens with the one before it in its line paying only for the rest. Every example's own row fits
-    `pack_length` (the loader checks it), so every example has a line."""
+    Default (`order` None): the examples in `trie_order` (one subtree's examples side by side) are cut into runs
+    that fit a line (`_units`: a run too big is split into its root's children, each part then repeating their
+    shared prefix, counted). Runs that share more than the prefix common to every sequence (`common_prefix`) fill
+    chunks next fit, a run paying only for what it adds to the run before it; the chunks, each counted without the
+    common prefix, go into lines best fit decreasing (`packing.plan_packs`), each line holding the common prefix
+    once. With an `order` (sequential training): visited in that order and filled next fit, nothing reordered.
+    Every example's own row fits `pack_length` (the loader checks it), so every example has a line."""
+    keep_order = order is not None
     order = list(trie_order(examples) if order is None else order)
     if not order:
         return TreePlan([])
     alone, added = trie_costs(examples, order)
-    lines: list[list[int]] = []
-    room = splits = repeated = 0
+    common = 0 if keep_order else common_prefix(examples)
+    chunks: list[list[int]] = []
+    sizes: list[int] = []
+    splits = repeated = 0
     for a, b in _units(alone, added, pack_length):
-        cost_here = sum(added[a:b])  # next to the example before it (a > 0 whenever a line is open)
-        if lines and cost_here <= room:
-            lines[-1].extend(order[a:b])
-            room -= cost_here
+        shared = alone[a] - added[a] if a else 0  # tokens of example a already in the example before it
+        continues = bool(chunks) and (keep_order or shared > common)  # the subtree of the chunk before goes on
+        cost_here = sum(added[a:b])
+        if continues and sizes[-1] + cost_here <= pack_length:
+            chunks[-1].extend(order[a:b])
+            sizes[-1] += cost_here
             continue
-        whole = alone[a] + sum(added[a + 1:b])
-        if lines and alone[a] > added[a]:  # this line repeats what the first example shares with the line before
+        if shared > common:  # a subtree split across lines: its prefix computed again
             splits += 1
-            repeated += alone[a] - added[a]
-        lines.append(list(order[a:b]))
-        room = pack_length - whole
-    return TreePlan(lines, splits, repeated)
+            repeated += shared - common
+        chunks.append(list(order[a:b]))
+        sizes.append(alone[a] + sum(added[a + 1:b]))
+    if keep_order:
+        return TreePlan(chunks, splits, repeated)
+    packs = plan_packs([max(1, n - common) for n in sizes], pack_length - common, shuffle=False)
+    return TreePlan([[e for c in pack for e in chunks[c]] for pack in packs], splits, repeated)
 
 
 def trie_order(examples: Sequence[Example]) -> list[int]:
