@@ -70,7 +70,7 @@ def test_every_boolean_option_takes_no_flag_bare_flag_and_value(parser, name):
 
 # Booleans that are refused alone: quantized loading trains only adapters (tested with test_trl_model_config.py,
 # which also tests that dataset_streaming true is refused)
-NEEDS = {"load_in_4bit": ["--use_peft"], "load_in_8bit": ["--use_peft"]}
+NEEDS = {"load_in_4bit": ["--use_peft"], "load_in_8bit": ["--use_peft"], "prefix_tree": ["--packing"]}
 REFUSED_WHEN_TRUE = {"dataset_streaming"}
 
 
