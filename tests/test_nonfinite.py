@@ -307,7 +307,9 @@ def test_two_ranks_command_line_exits_non_zero_with_the_error_line(two_ranks):
     proc, _, out = two_ranks
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "prefixdpo train: error: optimizer step 2:" in line]
-    assert len(lines) == 2, proc.stderr[-6000:]  # one per rank
+    # each rank prints its line, but once the first rank exits 2 torchrun tears the other down, which can cut
+    # its line off (seen once in 7 full runs): at least one, at most one per rank
+    assert 1 <= len(lines) <= 2, proc.stderr[-6000:]
     last = os.path.join(str(out), "cli", "checkpoint-1")
     assert all(f"Last good checkpoint: {last}." in line for line in lines)
     assert sorted(os.listdir(out / "cli")) == ["checkpoint-1"]
