@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
 from prefixdpo.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
@@ -82,7 +82,7 @@ class RewardStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, self.backend)  # built in the step: timed
+        mask = batch_attention_mask(batch, self.backend)  # built in the step: timed
         scores = compute_response_scores(self.model, batch, mask)
         loss = pair_reward_losses(scores, batch.pair_better, batch.pair_worse).mean()
         loss.backward()

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from prefixdpo.data.example import Example
 from prefixdpo.data.loader import MARGIN  # the reward margin: per pair once grouped
+
 RECORDS = "records"  # meta of a grouped example: the source indices of its records, in order
 PAIR_RECORDS = "pair_records"  # meta of a grouped example: [P] the record each pair comes from
 # Per-record metadata that only reports what preparation did (already counted in the data report): a group
@@ -168,24 +169,23 @@ def group_by_prompt(examples: Sequence[Example], max_row_length: int | None = No
                     examples, each repeating the prompt (counted in `report.split`).
     """
     report = GroupReport(examples_in=len(examples))
-    first_of: dict[tuple[int, ...], int] = {}  # prompt -> position of its first example (its group's index)
+    group_of: dict[tuple[int, ...], int] = {}  # prompt -> its group (index into `order`)
     order: list[list[Example]] = []
-    group_of_position: dict[int, int] = {}
+    first_position: list[int] = []  # per group: its first example's position (for the report)
     for position, ex in enumerate(examples):
-        first = first_of.get(ex.prompt_ids)
-        if first is not None:
-            key = _conflict(examples[first], ex)
-            if key is None:
-                order[group_of_position[first]].append(ex)
-                continue
+        g = group_of.get(ex.prompt_ids)
+        key = None if g is None else _conflict(order[g][0], ex)
+        if g is not None and key is None:
+            order[g].append(ex)
+            continue
+        if g is not None:
             report.kept_apart += 1
             report.kept_apart_example = report.kept_apart_example or (
-                f"{_name(ex, position)}: meta {key!r} differs from {_name(examples[first], first)}'s")
-            order.append([ex])
-            continue
-        first_of[ex.prompt_ids] = position
-        group_of_position[position] = len(order)
+                f"{_name(ex, position)}: meta {key!r} differs from {_name(order[g][0], first_position[g])}'s")
+        else:
+            group_of[ex.prompt_ids] = len(order)
         order.append([ex])
+        first_position.append(position)
     grouped: list[Example] = []
     for members in order:
         parts = _parts(members, max_row_length)

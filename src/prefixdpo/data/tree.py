@@ -264,9 +264,7 @@ def common_prefix(examples: Sequence[Example]) -> int:
     for ex in examples:
         for response in ex.response_ids:
             sequence = ex.prompt_ids + response
-            n = min(n, len(sequence))
-            while n and sequence[:n] != first[:n]:
-                n -= 1
+            n = next((k for k, (a, b) in enumerate(zip(first[:n], sequence)) if a != b), min(n, len(sequence)))
     return n
 
 

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.engines_deepspeed import reference_copy
 from prefixdpo.core.forward import compute_response_logps
@@ -156,7 +156,7 @@ class ModelPassReference(Reference):
     def _mask(self, batch: Batch):
         """A table batch's mask (one per batch, no grad)."""
         backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=False)
-        return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        return batch_attention_mask(batch, backend)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""

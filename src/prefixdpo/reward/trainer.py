@@ -13,7 +13,7 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 
 from __future__ import annotations
 
-from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.errors import ConfigError
 from prefixdpo.data.loader import MicroBatch
 from prefixdpo.core.fit import check_run_fits
@@ -66,8 +66,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
         batch = inputs.batch.to(self.args.device)
-        scores = compute_response_scores(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids,
-                                                                            self.backend))
+        scores = compute_response_scores(model, batch, batch_attention_mask(batch, self.backend))
         if batch.num_pairs == 0:
             return None, scores
         margins = inputs.margins

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import prepare_model, text_config
@@ -50,7 +50,7 @@ def compare_scores(model, examples: list[Example], *, packs=None, backend: str =
     with torch.set_grad_enabled(with_grad):
         reference = separate_pass_scores(model, examples)
         prepare_model(model, backend)
-        mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+        mask = batch_attention_mask(batch, backend)
         ours = compute_response_scores(model, batch, mask)
     result = VerifyResult(case=case, logp_diff=(ours - reference).detach().abs().max().item(),
                           logp_scale=reference.detach().abs().max().item(), grad_diff=None, grad_scale=None)
