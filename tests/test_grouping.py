@@ -140,6 +140,22 @@ def _dpo_config(tmp_path, name, **kw) -> PrefixDPOConfig:
     return PrefixDPOConfig(**base)
 
 
+def one_dpo_step(tmp_path, path: str, tokenizer, name: str, **options):
+    """(trainer, its one logged step) of one SGD step on the file `path` from the tiny Llama every run starts from
+    (`tiny_model`'s seed), with a reference that is not the policy (its weights x 0.9)."""
+    vocab = len(tokenizer)
+    ref = tiny_model("llama", vocab_size=vocab)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.9)
+    trainer = PrefixDPOTrainer(model=tiny_model("llama", vocab_size=vocab), ref_model=ref,
+                               args=_dpo_config(tmp_path, name, **options), train_dataset=path,
+                               processing_class=tokenizer)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, log
+
+
 def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -167,23 +183,11 @@ def test_one_step_on_an_shp_like_file_equals_standard_dpo(tmp_path):
 
     path, n_records = _shp_file(tmp_path)
     tokenizer = build_tiny_tokenizer()
-    vocab = len(tokenizer)
-    start = tiny_model("llama", vocab_size=vocab)
-
-    def run(name, **kw):
-        ref = tiny_model("llama", vocab_size=vocab)
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.mul_(0.9)
-        trainer = PrefixDPOTrainer(model=tiny_model("llama", vocab_size=vocab), ref_model=ref,
-                                   args=_dpo_config(tmp_path, name, **kw), train_dataset=path,
-                                   processing_class=tokenizer)
-        trainer.train()
-        (log,) = [h for h in trainer.state.log_history if "loss" in h]
-        return trainer, log
-
-    grouped, g_log = run("grouped", group_by_prompt=True, packing=True, per_device_train_batch_size=4)
-    standard, s_log = run("standard", prefix_sharing=False, per_device_train_batch_size=n_records)
+    start = tiny_model("llama", vocab_size=len(tokenizer))
+    grouped, g_log = one_dpo_step(tmp_path, path, tokenizer, "grouped", group_by_prompt=True, packing=True,
+                                  per_device_train_batch_size=4)
+    standard, s_log = one_dpo_step(tmp_path, path, tokenizer, "standard", prefix_sharing=False,
+                                   per_device_train_batch_size=n_records)
     report = grouped.group_reports["train"]
     assert report.examples_out == 4 and report.pairs == n_records  # one row per post, every pair
     assert g_log["loss"] == pytest.approx(s_log["loss"], rel=1e-5)

@@ -30,7 +30,7 @@ from prefixdpo.dpo.objective import LossParams
 from prefixdpo.dpo.reference import SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 from prefixdpo.errors import ConfigError
-from test_grouping import _dpo_config, _flat, _shp_file, shp_like
+from test_grouping import _dpo_config, _flat, _shp_file, one_dpo_step, shp_like
 from test_tree import _ids, dialogue
 
 
@@ -172,23 +172,11 @@ def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, **tree_op
     from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    vocab = len(tokenizer)
-    start = tiny_model("llama", vocab_size=vocab)
-
-    def run(name, **kw):
-        ref = tiny_model("llama", vocab_size=vocab)
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.mul_(0.9)
-        trainer = PrefixDPOTrainer(model=tiny_model("llama", vocab_size=vocab), ref_model=ref,
-                                   args=_dpo_config(tmp_path, name, **kw), train_dataset=path,
-                                   processing_class=tokenizer)
-        trainer.train()
-        (log,) = [h for h in trainer.state.log_history if "loss" in h]
-        return trainer, log
-
-    tree, t_log = run("tree", prefix_tree=True, packing=True, per_device_train_batch_size=n_records, **tree_options)
-    standard, s_log = run("standard", prefix_sharing=False, per_device_train_batch_size=n_records)
+    start = tiny_model("llama", vocab_size=len(tokenizer))
+    tree, t_log = one_dpo_step(tmp_path, path, tokenizer, "tree", prefix_tree=True, packing=True,
+                               per_device_train_batch_size=n_records, **tree_options)
+    standard, s_log = one_dpo_step(tmp_path, path, tokenizer, "standard", prefix_sharing=False,
+                                   per_device_train_batch_size=n_records)
     assert len(tree._train_micro) == 1 and tree._train_micro[0].batch.is_tree
     assert t_log["loss"] == pytest.approx(s_log["loss"], rel=1e-5)
     assert t_log["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
