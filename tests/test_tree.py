@@ -22,7 +22,7 @@ from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import dpo_loss, separate_pass_logps
 from prefixdpo.data.example import Example
-from prefixdpo.data.tree import build_tree_batch, lines_in_order, tree_line
+from prefixdpo.data.tree import build_tree_batch, tree_line
 from prefixdpo.errors import ConfigError
 
 
@@ -128,12 +128,6 @@ def test_backends_that_do_not_follow_trees_refuse_tree_lines():
     prepare_model(model, "sdpa")
     with pytest.raises(ConfigError, match="tree lines need their own attention mask"):
         compute_response_logps(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa"))
-
-
-def test_lines_in_order_fill_lines_next_fit_and_keep_a_long_row_alone():
-    rows = [Example((1,) * p, ((2,), (3,)), ((0, 1),)) for p in (4, 3, 8, 1, 2)]  # rows of 6, 5, 10, 3, 4 tokens
-    assert lines_in_order(rows, 11) == [[0, 1], [2], [3, 4]]
-    assert lines_in_order(rows, 9) == [[0], [1], [2], [3, 4]]  # the 10-token row alone, over the length
 
 
 def test_the_mask_picture_draws_a_tree_line(tmp_path):

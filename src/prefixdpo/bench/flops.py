@@ -223,7 +223,7 @@ def trie_flop_count(shape: ModelShape, examples: Sequence[Example]) -> FlopCount
     """One line of `examples` as a token trie (`data.tree.tree_line`): every token their sequences share with all
     the tokens before it once; each token attends to itself and its ancestors (depth + 1 pairs); the LM head
     once per distinct response-token node (a response two records name, once). What a line of a token trie across
-    records computes (`bench`'s trie-packed mode; not in training yet)."""
+    records computes (`prefix_tree` training, `bench`'s trie-packed mode)."""
     from prefixdpo.data.tree import tree_line
 
     line = tree_line(examples)

@@ -12,8 +12,8 @@
                    steps hold several records of one prompt (`GROUPED_MODE`).
     trie-packed    a token trie across records (`data.tree`): the group's records in tree lines, every token
                    their sequences share with all tokens before it once (a system prompt, earlier turns); lines
-                   filled in order. Run only where a trie saves a tenth of the grouped rows' tokens or more, with a
-                   backend that follows tree lines (`TRIE_MODE`; not in training yet).
+                   planned as training's `prefix_tree` plans them (`plan_tree_lines`). Run only where a trie saves a tenth of the grouped rows' tokens or more, with a
+                   backend that follows tree lines (`TRIE_MODE`).
 
 Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
 (`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from prefixdpo.data.batch import Batch, bucket_length, build_batch, collate_lines
 from prefixdpo.data.example import Example
 from prefixdpo.data.grouping import group_by_prompt
-from prefixdpo.data.tree import build_tree_batch, lines_in_order
+from prefixdpo.data.tree import build_tree_batch, plan_tree_lines
 from prefixdpo.data.layout import separate_rows
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
@@ -67,12 +67,15 @@ def layout_group(
     pack_length: int | None,
     pad_token_id: int = 0,
     bucketed: bool = False,
+    line_multiple: int = 128,
 ) -> Batch:
     """Lay out one group of examples (one optimizer step) for `mode`.
 
     pack_length: line length of the packed modes (see `common_pack_length`); None = the whole group in
-                 ONE line, padded to a multiple of 128 (the paper's layout: one packed line per device
-                 batch; worth it only with an attention that skips masked blocks, segmented or flex).
+                 ONE line, padded to a multiple of `line_multiple` (the paper's layout: one packed line per
+                 device batch; worth it only with an attention that skips masked blocks, segmented or flex).
+    line_multiple: 128 for FlexAttention (its block size: the paper's padding); the CPU's segmented attention
+                 needs none, and 128 would pad a short shared line by up to a tenth (8: SIMD-friendly rows).
     bucketed:    round padded line lengths up with `bucket_length` (CUDA/flex); else pad to the longest.
     The Batch's pairs are in example order in every mode, so per-pair results compare (the standard
     modes run `standard_examples`: their responses are the pairs' sides, two per pair), except in the grouped
@@ -82,8 +85,8 @@ def layout_group(
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + (GROUPED_MODE, TRIE_MODE))}")
     if mode == TRIE_MODE:
         if pack_length is None:
-            return build_tree_batch(examples, pad_token_id=pad_token_id, pad_multiple=128)
-        return build_tree_batch(examples, lines_in_order(examples, pack_length), pad_token_id=pad_token_id,
+            return build_tree_batch(examples, pad_token_id=pad_token_id, pad_multiple=line_multiple)
+        return build_tree_batch(examples, plan_tree_lines(examples, pack_length).lines, pad_token_id=pad_token_id,
                                 length=pack_length)
     if mode == GROUPED_MODE:
         examples, mode = group_by_prompt(examples)[0], "shared-packed"
@@ -98,13 +101,13 @@ def layout_group(
     if mode == "shared-packed":
         if pack_length is None:
             return build_batch(examples, prefix_sharing=True, packs=[list(range(len(examples)))],
-                               pad_token_id=pad_token_id, pad_multiple=128)
+                               pad_token_id=pad_token_id, pad_multiple=line_multiple)
         packs = plan_packs([ex.shared_length for ex in examples], pack_length, shuffle=False)
         return build_batch(examples, prefix_sharing=True, packs=packs, pad_token_id=pad_token_id, length=pack_length)
     # paired-packed: every [prompt][response] sequence is its own packing unit (and document).
     units = [(e, row) for e, ex in enumerate(examples) for row in separate_rows(ex)]
     if pack_length is None:
-        return collate_lines(examples, [units], pad_token_id=pad_token_id, pad_multiple=128)
+        return collate_lines(examples, [units], pad_token_id=pad_token_id, pad_multiple=line_multiple)
     packs = plan_packs([len(row) for _, row in units], pack_length, shuffle=False)
     lines = [[units[u] for u in pack] for pack in packs]
     return collate_lines(examples, lines, pad_token_id=pad_token_id, length=pack_length)

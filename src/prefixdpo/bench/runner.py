@@ -149,6 +149,79 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _layout_batches(workload: Workload, modes, *, pack_length: int | None, pad_token_id: int, bucketed: bool,
+                    line_multiple: int, device: torch.device) -> tuple[dict[str, list], dict[str, float]]:
+    """Every mode's batches of every group (on `device`), and each mode's collation seconds (before the copy)."""
+    batches: dict[str, list] = {}
+    collate_s: dict[str, float] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        batches[mode] = [
+            layout_group([workload.examples[i] for i in group], mode, pack_length=pack_length,
+                         pad_token_id=pad_token_id, bucketed=bucketed, line_multiple=line_multiple)
+            for group in workload.groups
+        ]
+        collate_s[mode] = time.perf_counter() - t0
+        batches[mode] = [b.to(device) for b in batches[mode]]
+    return batches, collate_s
+
+
+def _time_steps(batches: dict[str, list], stepper: DPOStep, device: torch.device, *, repeats: int, warmup: int,
+                progress) -> tuple[dict[str, list[float]], dict[str, int], str]:
+    """Seconds per counted pass [repeats] and peak memory bytes of each mode, the modes interleaved step by step
+    (module docstring), and how peak memory was measured."""
+    modes = list(batches)
+    groups = len(batches[modes[0]])
+    seconds = {m: [0.0] * repeats for m in modes}
+    peak = {m: 0 for m in modes}
+    meter = PeakMemory(device)
+    for r in range(warmup + repeats):
+        for g in range(groups):
+            for mode in modes:
+                with meter:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    stepper.step(batches[mode][g])
+                    _sync(device)
+                    dt = time.perf_counter() - t0
+                if r >= warmup:
+                    seconds[mode][r - warmup] += dt
+                    peak[mode] = max(peak[mode], meter.peak_bytes)
+                if progress is not None:
+                    progress.update(1)
+    return seconds, peak, meter.method
+
+
+def _mode_result(mode: str, batches: list, seconds: list[float], peak_bytes: int, pairs: int,
+                 collate_s: float) -> ModeResult:
+    tokens = sum(b.num_real_tokens for b in batches)
+    return ModeResult(
+        mode=mode,
+        pairs_per_s=Spread.of([pairs / s for s in seconds]),
+        tokens_per_s=Spread.of([tokens / s for s in seconds]),
+        seconds=seconds,
+        peak_mb=peak_bytes / 2**20,
+        tokens=tokens,
+        slots=sum(b.num_slots for b in batches),
+        lines=sum(int(b.input_ids.shape[0]) for b in batches),
+        steps=len(batches),
+        collate_ms_per_step=1e3 * collate_s / max(1, len(batches)),
+    )
+
+
+def _paper_numbers(workload: Workload) -> dict | None:
+    """The paper's throughputs and speedups for the workload's profile (None: the paper has no such profile)."""
+    if workload.profile is None or workload.profile.name not in PAPER:
+        return None
+    p = PAPER[workload.profile.name]
+    return {
+        "unpacked_samples_per_s": p.unpacked._asdict(),
+        "packed_samples_per_s": p.packed._asdict(),
+        "shared_vs_paired": p.unpacked.speedup,
+        "shared_packed_vs_paired_packed": p.packed.speedup,
+    }
+
+
 def run_workload(
     workload: Workload,
     stepper: DPOStep,
@@ -162,11 +235,13 @@ def run_workload(
     pad_token_id: int = 0,
     line_per_step: bool = False,
     trie: bool = False,
+    line_multiple: int = 128,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
     progress: a tqdm-like object with `update(n)` (one unit per step), or None.
-    line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`).
+    line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`), padded to a
+                   multiple of `line_multiple`.
     trie: the stepper's backend follows tree lines, so the trie mode may run (`workload_modes`).
     """
     if repeats < 1 or warmup < 0:
@@ -177,72 +252,19 @@ def run_workload(
     modes = workload_modes(workload, modes, trie=trie)
     grouped = [g for step in steps for g in group_by_prompt(step)[0]] if GROUPED_MODE in modes else []
     pack_length = None if line_per_step else common_pack_length(examples, grouped=grouped)
-    bucketed = dev.type == "cuda"
-
-    batches: dict[str, list] = {}
-    collate_s: dict[str, float] = {}
-    for mode in modes:
-        t0 = time.perf_counter()
-        batches[mode] = [
-            layout_group([examples[i] for i in group], mode, pack_length=pack_length,
-                         pad_token_id=pad_token_id, bucketed=bucketed)
-            for group in workload.groups
-        ]
-        collate_s[mode] = time.perf_counter() - t0
-        batches[mode] = [b.to(dev) for b in batches[mode]]
-
-    seconds = {m: [0.0] * repeats for m in modes}
-    peak = {m: 0 for m in modes}
-    meter = PeakMemory(dev)
-    for r in range(warmup + repeats):
-        for g in range(len(workload.groups)):
-            for mode in modes:
-                with meter:
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    stepper.step(batches[mode][g])
-                    _sync(dev)
-                    dt = time.perf_counter() - t0
-                if r >= warmup:
-                    seconds[mode][r - warmup] += dt
-                    peak[mode] = max(peak[mode], meter.peak_bytes)
-                if progress is not None:
-                    progress.update(1)
-
-    pairs = workload.num_pairs
-    results: dict[str, ModeResult] = {}
-    for mode in modes:
-        tokens = sum(b.num_real_tokens for b in batches[mode])
-        results[mode] = ModeResult(
-            mode=mode,
-            pairs_per_s=Spread.of([pairs / s for s in seconds[mode]]),
-            tokens_per_s=Spread.of([tokens / s for s in seconds[mode]]),
-            seconds=seconds[mode],
-            peak_mb=peak[mode] / 2**20,
-            tokens=tokens,
-            slots=sum(b.num_slots for b in batches[mode]),
-            lines=sum(int(b.input_ids.shape[0]) for b in batches[mode]),
-            steps=len(batches[mode]),
-            collate_ms_per_step=1e3 * collate_s[mode] / max(1, len(batches[mode])),
-        )
+    batches, collate_s = _layout_batches(workload, modes, pack_length=pack_length, pad_token_id=pad_token_id,
+                                         bucketed=dev.type == "cuda", line_multiple=line_multiple, device=dev)
+    seconds, peak, memory_method = _time_steps(batches, stepper, dev, repeats=repeats, warmup=warmup,
+                                               progress=progress)
     speedups = {
         key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
         for fast, base, key in SPEEDUPS
         if fast in seconds and base in seconds
     }
-    paper = None
-    if workload.profile is not None and workload.profile.name in PAPER:  # the paper has no multi-response profile
-        p = PAPER[workload.profile.name]
-        paper = {
-            "unpacked_samples_per_s": p.unpacked._asdict(),
-            "packed_samples_per_s": p.packed._asdict(),
-            "shared_vs_paired": p.unpacked.speedup,
-            "shared_packed_vs_paired_packed": p.packed.speedup,
-        }
     return ProfileResult(
         name=workload.name,
         examples=len(examples),
-        pairs=pairs,
+        pairs=workload.num_pairs,
         steps=len(workload.groups),
         pack_length=pack_length,
         length_scale=workload.length_scale,
@@ -252,8 +274,8 @@ def run_workload(
             "standard": shape.flop_fractions(examples, shared=False),
             "shared": shape.flop_fractions(examples, shared=True),
         },
-        modes=results,
+        modes={m: _mode_result(m, batches[m], seconds[m], peak[m], workload.num_pairs, collate_s[m]) for m in modes},
         speedups=speedups,
-        paper=paper,
-        notes=list(workload.notes) + [f"peak memory: {meter.method}"],
+        paper=_paper_numbers(workload),
+        notes=list(workload.notes) + [f"peak memory: {memory_method}"],
     )

@@ -181,6 +181,7 @@ def run(args) -> int:
     # One line per step only where attention skips masked blocks without compiling per shape: segmented.
     # Flex compiles per line length, so on CUDA the packed modes keep the fixed common pack length.
     line_per_step = args.packing == "step" or (args.packing == "auto" and backend == "segmented")
+    line_multiple = 128 if backend == "flex" else 8  # flex's block size; the others skip padding's attention
     model = args.model or SHAPES[settings["model_size"]]
     reward = args.task == "reward"
     if reward:
@@ -211,7 +212,8 @@ def run(args) -> int:
             bar.set_description(w.name)
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
-                                        line_per_step=line_per_step, trie=trie))
+                                        line_per_step=line_per_step, trie=trie,
+                                        line_multiple=line_multiple))
     elapsed = time.perf_counter() - t0
     if reward:
         from prefixdpo.bench.flops import step_ideals
@@ -238,7 +240,7 @@ def run(args) -> int:
                      f"{settings['warmup']} warm-up + {settings['repeats']} counted passes, modes interleaved "
                      f"step by step; length scale {settings['length_scale']} (auto:N = the paper's lengths up to a median "
                      "of N tokens, longer profiles scaled down to it; per profile below); "
-                     + ("packed modes: each step's examples in one line, padded to a multiple of 128"
+                     + (f"packed modes: each step's examples in one line, padded to a multiple of {line_multiple}"
                         if line_per_step else "one pack length for both packed modes (1.1 x p95 of the shared "
                         "rows, rounded up to 128)")),
         "memory": PeakMemory(args.device).method,

@@ -135,19 +135,19 @@ def run(args) -> int:
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
         if stats.trie_tokens < stats.shared_tokens:
-            drawn = _draw_first_tree_line(grouped, stats.pack_length, args.show_mask)
+            drawn = _draw_first_tree_line(prepared.examples, stats.pack_length, args.show_mask)
             print(f"attention mask of one token-trie line written to {drawn}")
     return 0
 
 
 def _with_trie(stats, examples, grouped, shape):
-    """`stats` with what a token trie across records would run: the grouped rows packed in order into lines of
-    the pack length, each line one trie (`data.tree`), and its FLOP-model speedup over standard DPO."""
+    """`stats` with what `prefix_tree=true` would run: training's own lines of tries over the records
+    (`data.tree.plan_tree_lines` at the pack length), and its FLOP-model speedup over standard DPO."""
     import dataclasses
 
-    from prefixdpo.data.tree import lines_in_order, tree_line
+    from prefixdpo.data.tree import plan_tree_lines, tree_line
 
-    lines = [[grouped[i] for i in line] for line in lines_in_order(grouped, stats.pack_length)]
+    lines = [[examples[i] for i in line] for line in plan_tree_lines(examples, stats.pack_length).lines]
     speedup = None
     if shape is not None:
         from prefixdpo.bench.flops import standard_flops, trie_flop_count
@@ -158,17 +158,18 @@ def _with_trie(stats, examples, grouped, shape):
                                trie_speedup=speedup)
 
 
-def _draw_first_tree_line(grouped, pack_length: int, path: str):
-    """Draw the first line of a token trie across records (`_with_trie`'s lines) beside `path`: NAME-trie.png."""
+def _draw_first_tree_line(examples, pack_length: int, path: str):
+    """Draw the first line of tries `prefix_tree=true` would train on (`_with_trie`'s lines) beside `path`:
+    NAME-trie.png."""
     from pathlib import Path
 
     from prefixdpo.core.attention.draw import draw_mask
-    from prefixdpo.data.tree import build_tree_batch, lines_in_order
+    from prefixdpo.data.tree import build_tree_batch, plan_tree_lines
 
-    first = [grouped[i] for i in lines_in_order(grouped, pack_length)[0]]
+    first = [examples[i] for i in plan_tree_lines(examples, pack_length).lines[0]]
     target = Path(path)
     return draw_mask(build_tree_batch(first), target.with_name(f"{target.stem}-trie{target.suffix}"),
-                     title="token trie across records (not in training yet)")
+                     title="token trie across records (prefix_tree=true)")
 
 
 def _draw_first_line(examples, pack_length: int, path: str):

@@ -4,8 +4,8 @@
 - prompt/response ratio: median over examples of P / mean_k R_k (the paper's "prompt/completion ratio");
 - token saving: 1 - shared / unshared tokens, where a shared row is P + sum_k R_k and standard DPO runs
   sum_k (P + R_k); and, apart, what `group_by_prompt` saves on top (one row per prompt, each distinct response
-  once: 1 - grouped / shared tokens) and what a token trie across records would save on top of that (each line's
-  shared leading tokens once, `data.tree`);
+  once: 1 - grouped / shared tokens) and what a token trie across records would save on top of that (`prefix_tree`'s
+  lines of tries, `data.tree.plan_tree_lines`: each line's shared leading tokens once);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
 - predicted speedup: the useful-FLOP model of `prefixdpo.bench.flops` (body matmuls + allowed attention pairs + LM
@@ -79,7 +79,7 @@ class DataStats:
         if self.trie_tokens is not None and self.grouped_tokens is not None:
             lines.append(
                 f"                    {1.0 - self.trie_tokens / self.grouped_tokens:.1%} more by a token trie across "
-                f"records (not in training yet; the grouped rows packed in order into {self.trie_lines} lines of "
+                f"records (prefix_tree=true: the records in {self.trie_lines} lines of tries of "
                 f"{self.pack_length}, each line's shared leading tokens once: {self.trie_tokens} tokens): "
                 f"{1.0 - self.trie_tokens / self.unshared_tokens:.1%} vs standard DPO in all")
         return lines

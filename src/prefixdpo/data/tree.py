@@ -18,7 +18,7 @@ sequence (the prompt's last token for the first one), wherever in the line that 
 The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
 (`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
 and the MoE aux loss. DPO training builds them with `prefix_tree=true` (the loader plans its lines with
-`plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` estimates them.
+`plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` reports what they save.
 """
 
 from __future__ import annotations
@@ -169,21 +169,6 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
         max_sequence_length=max(len(ex.prompt_ids) + len(r) for ex in examples for r in ex.response_ids),
         tree_spans=spans,
     )
-
-
-def lines_in_order(examples: Sequence[Example], pack_length: int) -> list[list[int]]:
-    """Consecutive examples into lines whose prefix-shared rows together fit `pack_length` (next fit, in order;
-    a row longer than that alone in its line): the lines a token trie would share tokens within, as `inspect`
-    estimates it."""
-    lines: list[list[int]] = []
-    room = 0
-    for i, ex in enumerate(examples):
-        if not lines or ex.shared_length > room:
-            lines.append([])
-            room = pack_length
-        lines[-1].append(i)
-        room -= ex.shared_length
-    return lines
 
 
 # ---- planning lines of tries (training's `prefix_tree`) ----------------------------------------------------------
