@@ -4,6 +4,7 @@ finishes."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.dpo.losses import sigmoid_loss
 from prefixdpo.core.verify import separate_pass_logps
+from prefixdpo.errors import ConfigError
 
 BETA = 0.1
 
@@ -154,16 +156,18 @@ def test_step_updates_the_policy_only(workload):
     assert all(torch.equal(a, b) for a, b in zip(before_r, reference.parameters()))
 
 
-def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path, clock):
     from prefixdpo.cli import main
 
     out = tmp_path / "res"
     rc = main(["bench", "--quick", "--profiles", "hh-rlhf", "--examples", "4", "--per-step", "2",
                "--repeats", "2", "--warmup", "0", "--length-scale", "0.1", "--threads", "1",
-               "--out", str(out), "--no-progress"])
+               "--out", str(out), "--no-progress", "--clock", clock])
     assert rc == 0
     md = (out / "bench.md").read_text()
     assert "| hh-rlhf | shared-packed |" in md and "paper packed" in md
+    assert f"steps timed by {clock} clock" in md
     data = json.loads((out / "bench.json").read_text())
     assert [p["name"] for p in data["profiles"]] == ["hh-rlhf"]
     for prof in data["profiles"]:
@@ -176,7 +180,37 @@ def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path):
             prof["speedups"]["shared_packed_vs_paired_packed"]["median"] / prof["ideal"])
         # shared modes run fewer tokens than standard ones on the same examples
         assert prof["modes"]["shared"]["tokens"] < prof["modes"]["paired"]["tokens"]
+        for packed in ("paired-packed", "shared-packed"):  # one line per step, padded to 8 (segmented), not 128
+            mode = prof["modes"][packed]
+            assert mode["lines"] == mode["steps"] and mode["slots"] - mode["tokens"] < 8 * mode["lines"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _SleepingStep:
+    """A stepper that computes nothing and waits: the time of other jobs on a shared machine, as a clock sees it."""
+
+    def step(self, batch):
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_the_cpu_clock_leaves_out_time_the_step_does_not_compute(clock):
+    from prefixdpo.bench.clock import step_clock
+    from prefixdpo.bench.flops import ModelShape
+    from prefixdpo.bench.runner import run_workload
+
+    workload = synthetic_workload("hh-rlhf", 2, 1, vocab_size=64, seed=0, length_scale=0.05)
+    result = run_workload(workload, _SleepingStep(), ModelShape(64, 128, 1, 2, 1, 32, 64), repeats=1, warmup=0,
+                          modes=("paired", "shared"), clock=step_clock(clock, "cpu"))
+    seconds = result.modes["paired"].seconds[0]  # two steps of 0.05 s asleep
+    assert (seconds >= 0.1) if clock == "wall" else (seconds < 0.02)
+
+
+def test_the_cpu_clock_is_refused_for_a_cuda_bench():
+    from prefixdpo.bench.clock import step_clock
+
+    with pytest.raises(ConfigError, match="--clock cpu times CPU steps only"):
+        step_clock("cpu", "cuda")
 
 
 def test_bench_cli_rejects_an_unknown_profile(tmp_path, capsys):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -167,7 +168,7 @@ def _layout_batches(workload: Workload, modes, *, pack_length: int | None, pad_t
 
 
 def _time_steps(batches: dict[str, list], stepper: DPOStep, device: torch.device, *, repeats: int, warmup: int,
-                progress) -> tuple[dict[str, list[float]], dict[str, int], str]:
+                progress, clock: Callable[[], float]) -> tuple[dict[str, list[float]], dict[str, int], str]:
     """Seconds per counted pass [repeats] and peak memory bytes of each mode, the modes interleaved step by step
     (module docstring), and how peak memory was measured."""
     modes = list(batches)
@@ -180,10 +181,10 @@ def _time_steps(batches: dict[str, list], stepper: DPOStep, device: torch.device
             for mode in modes:
                 with meter:
                     _sync(device)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     stepper.step(batches[mode][g])
                     _sync(device)
-                    dt = time.perf_counter() - t0
+                    dt = clock() - t0
                 if r >= warmup:
                     seconds[mode][r - warmup] += dt
                     peak[mode] = max(peak[mode], meter.peak_bytes)
@@ -236,6 +237,7 @@ def run_workload(
     line_per_step: bool = False,
     trie: bool = False,
     line_multiple: int = 128,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
@@ -243,6 +245,7 @@ def run_workload(
     line_per_step: packed modes put each step's whole group in one line (see `modes.layout_group`), padded to a
                    multiple of `line_multiple`.
     trie: the stepper's backend follows tree lines, so the trie mode may run (`workload_modes`).
+    clock: what a step's seconds are read from (`bench.clock`: wall or this process's CPU time).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -255,7 +258,7 @@ def run_workload(
     batches, collate_s = _layout_batches(workload, modes, pack_length=pack_length, pad_token_id=pad_token_id,
                                          bucketed=dev.type == "cuda", line_multiple=line_multiple, device=dev)
     seconds, peak, memory_method = _time_steps(batches, stepper, dev, repeats=repeats, warmup=warmup,
-                                               progress=progress)
+                                               progress=progress, clock=clock)
     speedups = {
         key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
         for fast, base, key in SPEEDUPS

@@ -73,6 +73,9 @@ def register(subparsers) -> None:
                    help="multiply the profiles' median lengths (1 = the paper's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores left idle by the 1-minute load average, >= 1)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="what steps are timed with: wall (default) or cpu, this process's CPU seconds, which leave out "
+                        "the time other jobs on a shared machine take (CPU devices; use with --threads 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -167,11 +170,13 @@ def run(args) -> int:
     from prefixdpo.bench.runner import run_workload, workload_modes
     from prefixdpo.core.attention.backends import TREE_BACKENDS
     from prefixdpo.bench.step import DPOStep
+    from prefixdpo.bench.clock import step_clock
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     settings = {k: _setting(args, k, cuda) for k in _PRESETS}
+    clock = step_clock(args.clock, args.device)
     for k in ("examples", "per_step", "repeats"):
         if settings[k] < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
@@ -213,7 +218,7 @@ def run(args) -> int:
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
                                         line_per_step=line_per_step, trie=trie,
-                                        line_multiple=line_multiple))
+                                        line_multiple=line_multiple, clock=clock))
     elapsed = time.perf_counter() - t0
     if reward:
         from prefixdpo.bench.flops import step_ideals
@@ -244,7 +249,7 @@ def run(args) -> int:
                         if line_per_step else "one pack length for both packed modes (1.1 x p95 of the shared "
                         "rows, rounded up to 128)")),
         "memory": PeakMemory(args.device).method,
-        "timing": f"{elapsed:.0f} s; torch {torch.__version__}; collation (layout/packing) is not in the step time",
+        "timing": f"{elapsed:.0f} s; steps timed by {args.clock} clock ({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); torch {torch.__version__}; collation (layout/packing) is not in the step time",
     }
     out = Path(args.out)
     md = markdown_report(results, meta)
