@@ -182,3 +182,21 @@ def test_the_flex_mask_mod_of_a_tree_equals_its_dense_mask_and_runs_like_sdpa(tm
                 raise
             pytest.skip("compiled FlexAttention is not supported on this CPU capability")
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+
+
+def test_trie_costs_count_the_nodes_a_trie_line_lays_out():
+    """The planner's costs (`trie_costs`, counted from common leading runs) equal the nodes `tree_line` really lays
+    out: an example's own trie, and what it adds to the line of the example before it, on records that share a
+    system prompt, prompts, whole responses and dialogue turns (a prompt that is a prefix of a later one)."""
+    from prefixdpo.data.synthetic import shared_prefix_examples
+    from prefixdpo.data.tree import trie_costs, trie_order
+
+    examples = [ex for profile in ("shp-like", "multi-turn", "system-prompt")
+                for ex in shared_prefix_examples(profile, 6, vocab_size=50, seed=3)]
+    examples.append(Example((1, 2), ((3, 4), (3, 4), (3,)), ((0, 2), (1, 2))))  # duplicate responses, a prefix one
+    order = trie_order(examples)
+    alone, added = trie_costs(examples, order)
+    assert alone == [len(tree_line([examples[i]])) for i in order]
+    assert added[0] == alone[0] and added[1:] == [
+        len(tree_line([examples[a], examples[b]])) - len(tree_line([examples[a]])) for a, b in zip(order, order[1:])]
+    assert sum(added) < sum(alone)  # the records really share

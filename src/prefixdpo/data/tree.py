@@ -174,17 +174,26 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
 # ---- planning lines of tries (training's `prefix_tree`) ----------------------------------------------------------
 
 
-def _added_tokens(root: dict[int, dict], example: Example) -> int:
-    """Nodes `example`'s sequences add to the trie `root` (inserting them)."""
+def _sequences(example: Example) -> list[np.ndarray]:
+    """The `[prompt][response k]` token sequences of `example`, one int64 array each."""
+    return [np.asarray(example.prompt_ids + response, dtype=np.int64) for response in example.response_ids]
+
+
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common leading run of two token arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _added_tokens(sequences: Sequence[np.ndarray], existing: Sequence[np.ndarray]) -> int:
+    """Nodes `sequences` add, one after another, to the trie of `existing`: a trie's nodes are its sequences'
+    distinct prefixes, so a sequence adds its length less the longest run it shares with one already in."""
+    seen = list(existing)
     added = 0
-    for response in example.response_ids:
-        node = root
-        for t in example.prompt_ids + response:
-            nxt = node.get(t)
-            if nxt is None:
-                nxt = node[t] = {}
-                added += 1
-            node = nxt
+    for sequence in sequences:
+        added += len(sequence) - max((_common_length(sequence, other) for other in seen), default=0)
+        seen.append(sequence)
     return added
 
 
@@ -193,17 +202,12 @@ def trie_costs(examples: Sequence[Example], order: Sequence[int]) -> tuple[list[
     the example before it in `order` (alone for the first). `added` bounds what an example adds to any line that
     holds the one before it: a trie holding more sequences already has at least those nodes."""
     alone, added = [], []
-    previous = None
+    previous: list[np.ndarray] = []
     for i in order:
-        ex = examples[i]
-        own = _added_tokens({}, ex)
-        alone.append(own)
-        if previous is not None:
-            before: dict[int, dict] = {}  # a bare trie (nested dicts) of the previous example's sequences
-            _added_tokens(before, previous)
-            own = _added_tokens(before, ex)
-        added.append(own)
-        previous = ex
+        sequences = _sequences(examples[i])
+        alone.append(_added_tokens(sequences, []))
+        added.append(_added_tokens(sequences, previous) if previous else alone[-1])
+        previous = sequences
     return alone, added
 
 
