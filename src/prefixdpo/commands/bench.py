@@ -165,7 +165,6 @@ def run(args) -> int:
     from prefixdpo.bench.model import SHAPES, build_models
     from prefixdpo.bench.report import markdown_report, to_json
     from prefixdpo.bench.runner import run_workload, workload_modes
-    from prefixdpo.core.attention.backends import TREE_BACKENDS
     from prefixdpo.bench.step import DPOStep
 
     cuda = args.device.startswith("cuda")
@@ -200,8 +199,8 @@ def run(args) -> int:
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
-    # the trie mode: a DPO step (reward scores do not follow trees yet) on a backend whose mask follows tree lines
-    trie = not reward and backend in TREE_BACKENDS
+    # the trie mode: a DPO step (reward scores do not follow trees yet); every backend's mask follows tree lines
+    trie = not reward
     steps = sum(len(w.groups) * len(workload_modes(w, trie=trie)) for w in workloads) * (
         settings["warmup"] + settings["repeats"])
     results = []

@@ -25,7 +25,6 @@ DEFAULT_RESPONSES = [
 
 # the tree case: every record behind this system prompt, one record per pair (records of a prompt share it)
 DEFAULT_SYSTEM_PROMPT = "System: you are a careful assistant. Answer briefly and truthfully.\n"
-TREE_BACKENDS = ("sdpa", "segmented", "flex")  # prefixdpo.core.attention.backends.TREE_BACKENDS (no torch here)
 TREE_CASE = "trie (system prompt + shared prompts)"
 
 # prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch (tested equal)
@@ -193,8 +192,6 @@ def run(args) -> int:
     tree_note = None
     if args.task == "reward":
         tree_note = "reward scores do not follow tree lines yet"
-    elif backend not in TREE_BACKENDS:
-        tree_note = f"attention={backend} does not follow tree lines"
     else:
         records = _tree_examples(tokenizer, examples)
         check_positions(model, records, args.text_file or "built-in")
