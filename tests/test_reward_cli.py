@@ -32,16 +32,21 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
-def test_reward_trains_a_given_model_and_saves_a_stock_reward_model(saved, tmp_path, capsys):
+@pytest.mark.parametrize("tree", [False, True], ids=["packed", "prefix-tree"])
+def test_reward_trains_a_given_model_and_saves_a_stock_reward_model(saved, tmp_path, capsys, caplog, tree):
+    import logging
+
     from transformers import AutoModelForSequenceClassification
 
+    caplog.set_level(logging.INFO, logger="prefixdpo.data.loader")
     out = tmp_path / "rm"
     code = main(["reward", "--model", str(saved / "model"), "--dataset", str(saved / "data.jsonl"), "--max-steps",
                  "2", "--logging-steps", "1", "--per-device-train-batch-size", "4", "--packing", "--center-rewards-coefficient", "0.01",
-                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu"])
+                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu", *(["--prefix_tree", "true"] if tree else [])])
     assert code == 0
     stdout = capsys.readouterr().out
     assert "Loaded 8 records, kept 8 examples" in stdout and "last training accuracy" in stdout
+    assert ("lines of tries" in caplog.text) == tree  # the loader planned token tries (`TreePlan.summary`)
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert type(model).__name__ == "Qwen2ForSequenceClassification" and model.config.num_labels == 1
     assert model.config.pad_token_id is not None and model.config._attn_implementation == "sdpa"

@@ -199,9 +199,7 @@ def run(args) -> int:
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
-    # the trie mode: a DPO step (reward scores do not follow trees yet); every backend's mask follows tree lines
-    trie = not reward
-    steps = sum(len(w.groups) * len(workload_modes(w, trie=trie)) for w in workloads) * (
+    steps = sum(len(w.groups) * len(workload_modes(w, trie=True)) for w in workloads) * (
         settings["warmup"] + settings["repeats"])
     results = []
     t0 = time.perf_counter()
@@ -210,7 +208,7 @@ def run(args) -> int:
             bar.set_description(w.name)
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
-                                        line_per_step=line_per_step, trie=trie))
+                                        line_per_step=line_per_step, trie=True))
     elapsed = time.perf_counter() - t0
     if reward:
         from prefixdpo.bench.flops import step_ideals
