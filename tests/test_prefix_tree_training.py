@@ -1,4 +1,5 @@
-"""`prefix_tree=true`: DPO training (reward models: tests/test_reward_trainer.py) on packed lines that are token tries across records (`data.tree`).
+"""`prefix_tree=true`: DPO training on packed lines that are token tries across records (`data.tree`; reward
+models: tests/test_reward_trainer.py).
 
 What it must keep: every example in exactly one line, each line's trie within pack_length, the records of one
 subtree side by side (a subtree too big for a line split, each part repeating the shared prefix, counted); every

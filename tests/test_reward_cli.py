@@ -42,7 +42,8 @@ def test_reward_trains_a_given_model_and_saves_a_stock_reward_model(saved, tmp_p
     out = tmp_path / "rm"
     code = main(["reward", "--model", str(saved / "model"), "--dataset", str(saved / "data.jsonl"), "--max-steps",
                  "2", "--logging-steps", "1", "--per-device-train-batch-size", "4", "--packing", "--center-rewards-coefficient", "0.01",
-                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu", *(["--prefix_tree", "true"] if tree else [])])
+                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu",
+                 *(["--prefix_tree", "true"] if tree else [])])
     assert code == 0
     stdout = capsys.readouterr().out
     assert "Loaded 8 records, kept 8 examples" in stdout and "last training accuracy" in stdout

@@ -74,7 +74,8 @@ def test_one_step_on_tree_lines_equals_standard_rows(tmp_path):
 
     g = random.Random(0)
     records = dialogue(g, 3) + depth_1(g) + depth_2(g)
-    examples = [dataclasses.replace(ex, source_index=i, meta={"margin": 0.25 * (i % 3)}) for i, ex in enumerate(records)]
+    examples = [dataclasses.replace(ex, source_index=i, meta={"margin": 0.25 * (i % 3)})
+                for i, ex in enumerate(records)]
     lr, n = 10.0, len(examples)
     step = dict(max_steps=1, learning_rate=lr, max_grad_norm=0, per_device_train_batch_size=n)
     tree, (t_log,) = train(tmp_path, "tree", examples, packing=True, prefix_tree=True, pack_length=64, **step)

@@ -12,8 +12,8 @@
                    steps hold several records of one prompt (`GROUPED_MODE`).
     trie-packed    a token trie across records (`data.tree`): the group's records in tree lines, every token
                    their sequences share with all tokens before it once (a system prompt, earlier turns); lines
-                   filled in order. Run only where a trie saves a tenth of the grouped rows' tokens or more, with a
-                   backend that follows tree lines (`TRIE_MODE`; not in training yet).
+                   filled in order. Run only where a trie saves a tenth of the grouped rows' tokens or more
+                   (`TRIE_MODE`; what `prefix_tree` trains on).
 
 Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
 (`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the

@@ -50,7 +50,7 @@ def _shared_prefix_table(results: list[ProfileResult]) -> list[str]:
     if not rows:
         return []
     lines = ["", "## Records that share prompts or prefixes (grouped-packed = --group_by_prompt; trie-packed = a token "
-             "trie across records, not in training yet)", "",
+             "trie across records, --prefix_tree)", "",
              "| profile | shared-packed/paired-packed | ideal (per record) | grouped-packed/paired-packed | ideal | "
              "achieved/ideal | grouped-packed/shared-packed | ideal (grouping alone) | achieved/ideal | "
              "trie-packed/paired-packed | ideal (trie) | achieved/ideal | trie-packed/shared-packed | achieved/ideal |",

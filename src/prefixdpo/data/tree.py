@@ -15,10 +15,11 @@ sees exactly the tokens of its own sequence before it, at their own positions, s
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.
 
-The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
-(`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
-and the MoE aux loss. DPO training builds them with `prefix_tree=true` (the loader plans its lines with
-`plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` estimates them.
+Every attention backend follows tree lines (`core.attention.backends.build_tree_attention_mask`: the dense SDPA mask,
+the segment plan, the varlen plan, FlexAttention's mask_mod). A response's sequence is its last token's node and that
+node's ancestors (`Batch.response_last`): reward scores are read there, and the MoE aux loss weighs each node by the
+TRL rows through it. DPO and reward-model training build tree lines with `prefix_tree=true` (the loader plans its
+lines with `plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` estimates them.
 """
 
 from __future__ import annotations

@@ -154,5 +154,5 @@ def check_mask_follows_lines(batch, attention_mask) -> None:
     """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
     let each token see the wrong ones. A ConfigError in one line."""
     if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
-        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, or batch_attention_mask "
-                          "for any batch); this mask follows the (document, branch) rule")
+        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, or "
+                          "batch_attention_mask for any batch); this mask follows the (document, branch) rule")
