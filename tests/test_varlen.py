@@ -217,9 +217,13 @@ def test_auto_stays_flex_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the real FlashAttention varlen kernel needs CUDA")
 def test_real_kernel_on_cuda():
-    """bf16 against separate passes (verify's bf16 tolerance, 5e-2 relative); fp32 refused in one line."""
+    """bf16 against separate passes (verify's bf16 tolerance, 5e-2 relative), on prefix-shared and on tree lines;
+    fp32 refused in one line."""
     model = tiny_model("qwen2").cuda()
     with pytest.raises(ConfigError, match="bfloat16/float16"):
         compare(model, random_examples(), packs=[[0, 2], [1]], backend="varlen", pad_multiple=8)
     result = compare(model.to(torch.bfloat16), random_examples(), packs=[[0, 2], [1]], backend="varlen", pad_multiple=8)
+    assert result.ok(5e-2, 5e-2), result
+    build, _, lines = TREE_CASES["depth-3"]  # tree lines through the real kernel
+    result = compare(model, build(random.Random(0)), packs=lines, backend="varlen", pad_multiple=8, tree=True)
     assert result.ok(5e-2, 5e-2), result
