@@ -93,8 +93,12 @@ def test_verify_task_reward_passes_and_catches_a_broken_layout(saved, capsys):
     assert main(["verify", "--task", "reward", "--model", str(saved / "model")]) == 0
     out = capsys.readouterr().out
     assert "max |dscore|" in out and "prefix sharing matches separate passes" in out
-    assert sum(line.endswith(" ok") for line in out.splitlines()) == 4
+    assert sum(line.endswith(" ok") for line in out.splitlines()) == 5  # the tree row too
     assert main(["verify", "--task", "reward", "--model", str(saved / "model"), "--no-restart-positions"]) == 1
+    from prefixdpo.commands.verify import TREE_CASE
+
+    tree_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(TREE_CASE))
+    assert tree_row.endswith("FAIL")  # a tree line with positions running on through the line is caught
 
 
 def test_reward_ideal_counts_body_and_attention_only():
