@@ -143,13 +143,12 @@ def test_bench_runs_the_shared_prefix_profiles_with_their_ideals(tmp_path, task)
     data = {p["name"]: p for p in json.loads((out / "bench.json").read_text())["profiles"]}
     shp, system = data["shp-like"], data["system-prompt"]
     assert GROUPED_MODE in shp["modes"] and GROUPED_MODE not in system["modes"]
-    # a token trie runs for the DPO step where it shares more than grouping (reward scores do not follow trees)
-    assert [TRIE_MODE in data[name]["modes"] for name in ("shp-like", "system-prompt", "multi-turn")] == (
-        [False, True, True] if task == "dpo" else [False, False, False])
-    if task == "dpo":
-        assert system["modes"][TRIE_MODE]["tokens"] < system["modes"]["shared-packed"]["tokens"]
-        assert system["trie_over_ideal"]["vs_paired_packed"] == pytest.approx(
-            system["speedups"]["trie_packed_vs_paired_packed"]["median"] / system["ideals"]["trie"])
+    # a token trie runs for either task's step where it shares more than grouping
+    assert [TRIE_MODE in data[name]["modes"] for name in ("shp-like", "system-prompt", "multi-turn")] == [
+        False, True, True]
+    assert system["modes"][TRIE_MODE]["tokens"] < system["modes"]["shared-packed"]["tokens"]
+    assert system["trie_over_ideal"]["vs_paired_packed"] == pytest.approx(
+        system["speedups"]["trie_packed_vs_paired_packed"]["median"] / system["ideals"]["trie"])
     assert shp["modes"][GROUPED_MODE]["tokens"] < shp["modes"]["shared-packed"]["tokens"]
     assert shp["ideals"]["grouped"] > shp["ideals"]["per_record"] == pytest.approx(shp["ideal"])
     assert shp["grouped_over_ideal"]["vs_paired_packed"] == pytest.approx(

@@ -1,4 +1,5 @@
-"""`prefix_tree=true`: DPO training on packed lines that are token tries across records (`data.tree`).
+"""`prefix_tree=true`: DPO training on packed lines that are token tries across records (`data.tree`; reward
+models: tests/test_reward_trainer.py).
 
 What it must keep: every example in exactly one line, each line's trie within pack_length, the records of one
 subtree side by side (a subtree too big for a line split, each part repeating the shared prefix, counted); every
@@ -7,11 +8,15 @@ log-prob scale), on the dense SDPA mask and on the segment plan. One optimizer s
 pair at each turn, each later turn's prompt holding the earlier turns, all behind one system prompt) and on an
 SHP-like file (several comment pairs per post, one record each) with tries equals standard DPO (every
 `[prompt][response]` its own row) over the same pairs in one step: loss 1e-5 relative, gradients 1e-5 relative to
-their largest entry. What cannot run trees is refused in one line before training. About 20 s on 2 busy CPU cores.
+their largest entry. The MoE load-balancing loss on tree lines (each node weighted by the TRL rows through it)
+equals TRL's own on its padded rows (1e-5 relative), and one DPO step with it on tries equals one without tries
+(loss 1e-5 relative, gradients 1e-5 of their largest entry). Tries without packing (or without prefix sharing) are
+refused in one line. About 40 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -19,19 +24,22 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig, PrefixRewardTrainer
+from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig
 from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, MicroBatches
-from prefixdpo.data.tree import plan_tree_lines, tree_line
+from prefixdpo.core.forward import compute_response_logps
+from prefixdpo.core.moe import recording_router_logits, trl_token_multiplicity
+from prefixdpo.data.tree import build_tree_batch, plan_tree_lines, tree_line
 from prefixdpo.dpo.objective import LossParams
 from prefixdpo.dpo.reference import SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 from prefixdpo.errors import ConfigError
-from test_grouping import _dpo_config, _flat, _shp_file, one_dpo_step, shp_like
-from test_tree import _ids, dialogue
+from test_grouping import _dpo_config, _flat, _shp_file, one_dpo_step
+from test_tree import _ids, depth_1, depth_2, dialogue
+from test_trl_options import MOE, trl_rows
 
 
 def _system_prompted(g: random.Random, system: tuple[int, ...], prompts: int) -> list[Example]:
@@ -210,9 +218,97 @@ def test_one_step_on_an_shp_like_file_with_tries_equals_standard_dpo(tmp_path, g
     assert micro.shared_tokens < (per_record if group_by_prompt else 0.6 * per_record)
 
 
-def test_prefix_tree_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+def test_tree_token_weights_count_the_sequences_through_each_node():
+    """The line [1 2 3 5 6 7 8 4 5 7] of the sequences [1 2 3 5 6], [1 2 3 7], [1 2 3 8] (pairs (0, 1), (0, 2))
+    and [1 2 4 5], [1 2 4 7] (pair (1, 0)): a node weighs the pairs of every response whose sequence passes through
+    it (TRL's rows holding it); padding 0."""
+    examples = [Example((1, 2, 3), ((5, 6), (7,), (8,)), ((0, 1), (0, 2))), Example((1, 2, 4), ((5,), (7,)), ((1, 0),))]
+    batch = build_tree_batch(examples, pad_multiple=4)
+    # rows: 1 2 3 5 6 7 8 4 5 7 (padding 2); responses in pairs: 2, 1, 1 (record 0), 1, 1 (record 1)
+    assert batch.input_ids[0, :10].tolist() == [1, 2, 3, 5, 6, 7, 8, 4, 5, 7]
+    assert trl_token_multiplicity(batch)[0].tolist() == [6, 6, 4, 2, 2, 1, 1, 2, 1, 1, 0, 0]
+
+
+def _aux_loss_of_trl(model, examples) -> torch.Tensor:
+    """TRL 1.16's own load-balancing loss on its padded `[prompt][response]` rows (its fused-head forward)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    trl_model = copy.deepcopy(model)
+    add_fused_lm_head(trl_model, outputs=("log_probs",))
+    ids, mask = trl_rows(examples, pad=0)
+    with torch.no_grad():
+        return trl_model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                         fused_lm_head=True, output_router_logits=True).aux_loss
+
+
+def _moe_records(seed: int) -> list[Example]:
+    """Records of prompts named three times (a response in two records), records behind a system prompt and a
+    3-turn dialogue; numbered."""
+    g = random.Random(seed)
+    records = depth_1(g) + depth_2(g) + dialogue(g, 3)
+    return [Example(ex.prompt_ids, ex.response_ids, ex.pairs, i) for i, ex in enumerate(records)]
+
+
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_router_aux_loss_on_tree_lines_equals_trl_on_its_padded_rows(arch):
+    """One tree line and three (padded), dense mask and segment plan: TRL's value within 1e-5 relative; the same
+    router logits weighted once per node (what the tree computes) are not TRL's value."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    pytest.importorskip("trl")
+    model = tiny_model(arch, **MOE[arch])
+    examples = _moe_records(5)
+    trl_aux = _aux_loss_of_trl(model, examples)
+    n = len(examples)
+    for backend in ("sdpa", "segmented"):
+        prepare_model(model, backend)
+        for lines in (None, [list(range(0, 6)), list(range(6, 10)), list(range(10, n))]):
+            batch = build_tree_batch(examples, lines, pad_multiple=8)
+            with torch.no_grad():
+                ours = compute_response_logps(model, batch, batch_attention_mask(batch, backend), router_aux=True)
+            assert torch.allclose(ours.aux_loss, trl_aux, rtol=1e-5, atol=0), (backend, lines, ours.aux_loss, trl_aux)
+    prepare_model(model, "sdpa")
+    batch = build_tree_batch(examples)
+    with torch.no_grad(), recording_router_logits(model) as recorded:
+        compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa"))
+    once = load_balancing_loss_func(tuple(recorded), 4, 2, (batch.doc_ids >= 0).float())
+    assert (once - trl_aux).abs() > 1e-4 * trl_aux.abs(), (once.item(), trl_aux.item())
+
+
+def test_one_dpo_step_with_the_moe_aux_loss_on_tries_equals_one_without(tmp_path):
+    """router_aux_loss_coef 0.5 (large, so a mis-weighted aux term shows) on a tiny Mixtral: one SGD step on tree
+    lines (several, one micro-batch) equals one on per-record prefix-shared rows, with a reference that is not the
+    policy; and the aux term is in the loss."""
+    pytest.importorskip("trl")
+    examples = _moe_records(6)
+    n = len(examples)
+
+    def one_step(name, **options):
+        ref = tiny_model("mixtral", **MOE["mixtral"])
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(0.9)
+        trainer = PrefixDPOTrainer(model=tiny_model("mixtral", **MOE["mixtral"]), ref_model=ref, train_dataset=examples,
+                                   args=_dpo_config(tmp_path, name, per_device_train_batch_size=n, **options))
+        trainer.train()
+        (log,) = [h for h in trainer.state.log_history if "loss" in h]
+        return trainer, log
+
+    tree, t_log = one_step("tree", router_aux_loss_coef=0.5, prefix_tree=True, packing=True, pack_length=64)
+    rows, r_log = one_step("rows", router_aux_loss_coef=0.5)
+    (micro,) = tree._train_micro
+    assert micro.batch.is_tree and micro.batch.input_ids.shape[0] >= 2
+    assert t_log["loss"] == pytest.approx(r_log["loss"], rel=1e-5)
+    start = _flat(tiny_model("mixtral", **MOE["mixtral"]))
+    t_grad, r_grad = ((start - _flat(t.model)) / 10.0 for t in (tree, rows))
+    scale = r_grad.abs().max().item()
+    assert scale > 1e-4 and (t_grad - r_grad).abs().max().item() <= 1e-5 * scale
+    _, plain = one_step("plain", router_aux_loss_coef=0.0, prefix_tree=True, packing=True, pack_length=64)
+    assert abs(plain["loss"] - t_log["loss"]) > 1e-3  # the aux term is in the loss
+
+
+def test_prefix_tree_needs_prefix_sharing_and_packing(tmp_path):
     from prefixdpo.commands.train import parse_train_args
-    from prefixdpo.training import base
 
     assert PrefixDPOConfig(output_dir=str(tmp_path)).prefix_tree is False
     config, *_ = parse_train_args(["--output_dir", str(tmp_path), "--prefix_tree", "true", "--packing", "true"])
@@ -221,17 +317,6 @@ def test_prefix_tree_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
         PrefixDPOConfig(output_dir=str(tmp_path), prefix_tree=True)
     with pytest.raises(ConfigError, match="prefix_tree=true needs"):
         PrefixDPOConfig(output_dir=str(tmp_path), prefix_tree=True, packing=True, prefix_sharing=False)
-    examples = shp_like(2)
-    monkeypatch.setattr(base, "resolve_backend", lambda *a, **k: "varlen")  # a backend whose plan ignores trees
-    with pytest.raises(ConfigError, match="attention='varlen' does not follow tree lines"):
-        PrefixDPOTrainer(model=tiny_model("llama"), args=_dpo_config(tmp_path, "v", prefix_tree=True, packing=True),
-                         train_dataset=examples)
-    monkeypatch.undo()
-    moe = tiny_model("mixtral", num_local_experts=2, num_experts_per_tok=1)
-    with pytest.raises(ConfigError, match="the MoE load-balancing loss does not weigh tree lines"):
-        PrefixDPOTrainer(model=moe, args=_dpo_config(tmp_path, "m", prefix_tree=True, packing=True,
-                                                     router_aux_loss_coef=0.01), train_dataset=examples)
-    args = PrefixRewardConfig(output_dir=str(tmp_path / "r"), use_cpu=True, report_to="none", packing=True,
-                              prefix_tree=True)
-    with pytest.raises(ConfigError, match="reward scores do not follow tree lines"):
-        PrefixRewardTrainer(model=None, args=args, train_dataset=examples)
+    with pytest.raises(ConfigError, match="prefix_tree=true needs"):
+        PrefixRewardConfig(output_dir=str(tmp_path), prefix_tree=True, use_cpu=True)
+

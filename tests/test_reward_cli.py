@@ -32,16 +32,22 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
-def test_reward_trains_a_given_model_and_saves_a_stock_reward_model(saved, tmp_path, capsys):
+@pytest.mark.parametrize("tree", [False, True], ids=["packed", "prefix-tree"])
+def test_reward_trains_a_given_model_and_saves_a_stock_reward_model(saved, tmp_path, capsys, caplog, tree):
+    import logging
+
     from transformers import AutoModelForSequenceClassification
 
+    caplog.set_level(logging.INFO, logger="prefixdpo.data.loader")
     out = tmp_path / "rm"
     code = main(["reward", "--model", str(saved / "model"), "--dataset", str(saved / "data.jsonl"), "--max-steps",
                  "2", "--logging-steps", "1", "--per-device-train-batch-size", "4", "--packing", "--center-rewards-coefficient", "0.01",
-                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu"])
+                 "--output-dir", str(out), "--disable-tqdm", "true", "--use-cpu",
+                 *(["--prefix_tree", "true"] if tree else [])])
     assert code == 0
     stdout = capsys.readouterr().out
     assert "Loaded 8 records, kept 8 examples" in stdout and "last training accuracy" in stdout
+    assert ("lines of tries" in caplog.text) == tree  # the loader planned token tries (`TreePlan.summary`)
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert type(model).__name__ == "Qwen2ForSequenceClassification" and model.config.num_labels == 1
     assert model.config.pad_token_id is not None and model.config._attn_implementation == "sdpa"
@@ -87,8 +93,12 @@ def test_verify_task_reward_passes_and_catches_a_broken_layout(saved, capsys):
     assert main(["verify", "--task", "reward", "--model", str(saved / "model")]) == 0
     out = capsys.readouterr().out
     assert "max |dscore|" in out and "prefix sharing matches separate passes" in out
-    assert sum(line.endswith(" ok") for line in out.splitlines()) == 4
+    assert sum(line.endswith(" ok") for line in out.splitlines()) == 5  # the tree row too
     assert main(["verify", "--task", "reward", "--model", str(saved / "model"), "--no-restart-positions"]) == 1
+    from prefixdpo.commands.verify import TREE_CASE
+
+    tree_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(TREE_CASE))
+    assert tree_row.endswith("FAIL")  # a tree line with positions running on through the line is caught
 
 
 def test_reward_ideal_counts_body_and_attention_only():

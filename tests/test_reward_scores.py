@@ -1,10 +1,13 @@
 """Reward scores from prefix-shared rows equal separate stock passes of the model (fp32, 1e-5), on tiny
 Llama, Qwen2, Qwen3 and Mistral sequence classifiers: K = 2 and 4, unpacked and packed, with padding
 (lines of different lengths, padded to a multiple of 128), standard rows packed without sharing, and
-the gradients of a Bradley-Terry loss. Also: where the score is read (the last token that is not the
-pad token, as the stock model pools), the loss, and refusals."""
+the gradients of a Bradley-Terry loss; and on tree lines (`data.tree`: records sharing a prompt, a system prompt,
+dialogues whose earlier turns are later prompts; two lines, padded). Also: where the score is read (the last token
+that is not the pad token, as the stock model pools; on tree lines too), the loss, and refusals."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -13,11 +16,13 @@ from conftest import TINY, random_examples
 from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
+from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores
+from test_tree import CASES as TREE_CASES
 
 
 def tiny_reward_model(arch: str = "llama", pad_token_id: int = 0, **overrides):
@@ -76,6 +81,39 @@ def test_the_score_is_read_where_the_stock_model_pools():
     for packs in (None, [[0, 1, 2]]):
         result = compare_scores(model, examples, packs=packs, pad_token_id=pad)
         assert result.ok(TOL, TOL), (packs, result)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", list(TREE_CASES))
+def test_scores_on_tree_lines_equal_separate_stock_passes(arch, case):
+    """depth-1: prompts named by three records each (a response in two records); depth-2: a system prompt in front
+    of every prompt, one prompt named by two records; depth-3: dialogues, each turn's `[prompt][chosen]` a prefix
+    of the next turn's prompt (a sequence that ends inside the tree). Two lines, the shorter padded."""
+    build, _, lines = TREE_CASES[case]
+    examples = build(random.Random(len(arch)))
+    model = tiny_reward_model(arch)
+    result = compare_scores(model, examples, packs=lines, pad_multiple=8, tree=True)
+    assert result.logp_scale > 0.1 and result.grad_scale > 1e-3
+    assert result.ok(TOL, TOL), (arch, case, result)
+
+
+def test_the_score_is_read_where_the_stock_model_pools_on_tree_lines():
+    """A tree line with the pad token inside sequences: each score is read at the last non-pad token of its own
+    sequence (an inner node where the sequence is a prefix of another), at its first token if all are pad."""
+    pad = 5
+    examples = [Example([9, 10, 11], [[12, 13, pad], [pad]], pairs=[(0, 1)]),
+                Example([9, 10, 11, 12, 13], [[pad, 7], [14]], pairs=[(1, 0)]),
+                Example([pad], [[pad], [30]], pairs=[(1, 0)])]
+    batch = build_tree_batch(examples, pad_multiple=16, pad_token_id=pad)
+    # the line: 9 10 11 12 13 5 7 14 5 | 5 5 30 | padding (5); [9 10 11 12 13 5] ends at the inner node 5 (row 5)
+    assert batch.input_ids[0, :12].tolist() == [9, 10, 11, 12, 13, pad, 7, 14, pad, pad, pad, 30]
+    assert batch.response_last.tolist() == [5, 8, 6, 7, 10, 11]
+    line, column = score_positions(batch, pad)
+    assert line.tolist() == [0] * 6 and column.tolist() == [4, 2, 6, 7, 9, 11]
+    assert score_positions(batch, None)[1].tolist() == [5, 8, 6, 7, 10, 11]  # no pad token: the last token
+    result = compare_scores(tiny_reward_model("qwen2", pad_token_id=pad), examples, pad_token_id=pad, tree=True,
+                            pad_multiple=16)
+    assert result.ok(TOL, TOL), result
 
 
 def test_empty_micro_batch_joins_the_backward_with_zero_weight():

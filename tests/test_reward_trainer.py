@@ -1,12 +1,14 @@
 """`PrefixRewardTrainer` end to end on tiny models: any layout of a step (unpacked, packed, accumulated, two
-gloo ranks) gives the same losses and weights; resume equals an uninterrupted run; evaluation; LoRA for
-sequence classification trains the score head; TRL's pad/EOS rules and refusals."""
+gloo ranks) gives the same losses and weights, and so does a step on tree lines (`prefix_tree`); resume equals an
+uninterrupted run; evaluation; LoRA for sequence classification trains the score head; TRL's pad/EOS rules and
+refusals."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -61,6 +63,32 @@ def test_every_layout_of_a_step_gives_the_same_step(tmp_path):
             assert log[key] == pytest.approx(base_log[key], rel=1e-5, abs=1e-7), (name, key)
         grad = (start - flat(trainer.model)) / lr
         assert (grad - base_grad).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_one_step_on_tree_lines_equals_standard_rows(tmp_path):
+    """prefix_tree: records sharing a prompt (three per prompt), records behind one system prompt and dialogues (each
+    turn's prompt holding the earlier turns), each with its own margin, as packed token tries in one micro-batch of
+    several lines, vs every `[prompt][response]` its own row: the logged step and the gradient (one large SGD
+    step, as above) within 1e-5."""
+    from test_tree import depth_1, depth_2, dialogue
+
+    g = random.Random(0)
+    records = dialogue(g, 3) + depth_1(g) + depth_2(g)
+    examples = [dataclasses.replace(ex, source_index=i, meta={"margin": 0.25 * (i % 3)})
+                for i, ex in enumerate(records)]
+    lr, n = 10.0, len(examples)
+    step = dict(max_steps=1, learning_rate=lr, max_grad_norm=0, per_device_train_batch_size=n)
+    tree, (t_log,) = train(tmp_path, "tree", examples, packing=True, prefix_tree=True, pack_length=64, **step)
+    standard, (s_log,) = train(tmp_path, "standard", examples, prefix_sharing=False, **step)
+    (micro,) = tree._train_micro
+    assert micro.batch.is_tree and micro.batch.input_ids.shape[0] >= 2  # several tree lines, in one micro-batch
+    assert micro.shared_tokens < 0.8 * sum(ex.shared_length for ex in examples)  # tries share across records
+    for key in ("loss", "margin", "mean_reward", "min_reward", "max_reward", "grad_norm"):
+        assert t_log[key] == pytest.approx(s_log[key], rel=1e-5, abs=1e-7), key
+    start = flat(tiny_reward_model("llama"))
+    t_grad, s_grad = ((start - flat(t.model)) / lr for t in (tree, standard))
+    scale = s_grad.abs().max().item()
+    assert scale > 1e-3 and (t_grad - s_grad).abs().max().item() <= 1e-5 * scale
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):

@@ -6,7 +6,7 @@ response's log-prob sum within 1e-5 x max(1, largest |sum|) and every gradient e
 for trees of depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a
 dialogue: each turn's prompt holds the earlier turns), packed two lines with padding, on the dense SDPA mask and on the segment plan cut
 along the tree; FlexAttention's mask_mod equals the dense mask element-wise and its forward (CPU, no backward
-there) equals SDPA's. varlen refuses tree lines. About 60 s on 2 busy CPU cores.
+there) equals SDPA's (varlen's plan: tests/test_varlen.py). About 60 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations
@@ -119,11 +119,9 @@ def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     assert grad_scale > 1e-3 and (grads() - stock_grads).abs().max().item() <= 1e-5 * max(1.0, grad_scale)
 
 
-def test_backends_that_do_not_follow_trees_refuse_tree_lines():
+def test_a_mask_that_does_not_follow_the_tree_is_refused_on_tree_lines():
     examples = depth_2(random.Random(0))
     batch = build_tree_batch(examples)
-    with pytest.raises(ConfigError, match="attention='varlen' does not follow tree lines yet"):
-        build_tree_attention_mask(batch.tree_spans, "varlen")
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
     with pytest.raises(ConfigError, match="tree lines need their own attention mask"):

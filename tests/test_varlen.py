@@ -2,22 +2,26 @@
 scatter back, GQA, both kernel signatures), checked on CPU by substituting a reference kernel with
 `varlen_attn`'s signature (per-segment SDPA, causal aligned bottom-right) and comparing against stock
 separate passes. Tolerances (fp32): per-response log-prob sums and DPO gradients within 1e-5 absolute
-(sums of ~5-10 tokens here), as tests/test_equivalence.py. The real kernel is checked only on CUDA."""
+(sums of ~5-10 tokens here), as tests/test_equivalence.py; the same on tree lines (`data.tree`, depth 1-3, two
+lines with padding: tests/test_tree.py's cases). The real kernel is checked only on CUDA."""
 
 import inspect
+import random
 
 import pytest
 import torch
 
 from prefixdpo.core.attention import varlen
-from prefixdpo.core.attention.backends import build_attention_mask, resolve_backend
-from prefixdpo.core.attention.masks import dense_mask
+from prefixdpo.core.attention.backends import build_attention_mask, build_tree_attention_mask, resolve_backend
+from prefixdpo.core.attention.masks import dense_mask, tree_dense_mask
 from prefixdpo.data.batch import build_batch
+from prefixdpo.data.tree import build_tree_batch, tree_line
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import compare
 from conftest import random_examples, tiny_model
+from test_tree import CASES as TREE_CASES
 
 LOGP_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -126,12 +130,24 @@ def test_carrier_dispatches_one_kernel_call_per_layer(kernel):
     assert kernel == [torch.Size([real_tokens, 4, 8])] * 3
 
 
-def test_plan_covers_exactly_the_allowed_pairs():
-    """The (query, key) pairs of the packed segments under bottom-right causality are the dense rule's."""
-    batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
-    B, L = batch.doc_ids.shape
-    plan = varlen.build_varlen_plan(batch.doc_ids, batch.branch_ids)
-    covered = torch.zeros(B * L, B * L, dtype=torch.bool)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", list(TREE_CASES))
+def test_varlen_on_tree_lines_matches_separate_passes(kernel, arch, case):
+    """Tree lines of depth 1, 2 and 3 (records of one prompt; a system prompt; dialogues), two lines, padded."""
+    build, depth, lines = TREE_CASES[case]
+    examples = build(random.Random(len(arch)))
+    assert tree_line([examples[e] for e in lines[0]]).depth == depth
+    result = compare(tiny_model(arch), examples, packs=lines, backend="varlen", pad_multiple=8, tree=True)
+    assert kernel  # the substituted kernel ran
+    assert result.logp_diff < LOGP_TOL and result.grad_diff < GRAD_TOL, result
+    assert result.grad_scale > 1e-3
+
+
+def _covered_pairs(plan: varlen.VarlenPlan) -> torch.Tensor:
+    """[B*L, B*L] bool: the (query, key) pairs the plan's segments compute under bottom-right causality; asserts
+    that every query is in one segment only."""
+    n = plan.batch_size * plan.length
+    covered = torch.zeros(n, n, dtype=torch.bool)
     cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
     for i in range(plan.num_segments):
         q, k = plan.q_index[cq[i]:cq[i + 1]], plan.kv_index[ck[i]:ck[i + 1]]
@@ -139,13 +155,35 @@ def test_plan_covers_exactly_the_allowed_pairs():
         for j in range(len(q)):
             assert not covered[q[j]].any()  # each query in one segment only
             covered[q[j], k[allowed[j]]] = True
-    dense = dense_mask(batch.doc_ids, batch.branch_ids)[:, 0]
-    expected = torch.block_diag(*[dense[b] for b in range(B)])
-    real = (batch.doc_ids >= 0).flatten()
+    return covered
+
+
+def _check_plan_covers(plan: varlen.VarlenPlan, dense: torch.Tensor, real: torch.Tensor) -> None:
+    """The plan computes exactly the pairs of `dense` [B, L, L] among real tokens (`real` [B*L]), none with padding,
+    and reads every query back in place."""
+    covered = _covered_pairs(plan)
+    expected = torch.block_diag(*[dense[b] for b in range(dense.shape[0])])
     assert torch.equal(covered[real][:, real], expected[real][:, real])
     assert not covered[~real].any() and not covered[:, ~real].any()  # padding neither queries nor keys
     assert torch.equal(plan.out_index[real], torch.arange(int(real.sum())))  # every query read back in place
     assert (plan.out_index[~real] == plan.q_index.numel()).all()  # padding reads the zero row
+
+
+def test_tree_plan_covers_exactly_the_tree_rule():
+    """On tree lines of depth 3 (two lines, padded) the varlen plan's pairs are the tree mask's, and the mask
+    built for varlen carries that plan, marked as following the tree."""
+    build, _, lines = TREE_CASES["depth-3"]
+    batch = build_tree_batch(build(random.Random(0)), lines, pad_multiple=8)
+    mask = build_tree_attention_mask(batch.tree_spans, "varlen")
+    assert mask.follows_tree and mask.varlen_plan.num_segments > 2 * len(lines)  # several runs per line
+    _check_plan_covers(mask.varlen_plan, tree_dense_mask(batch.tree_spans)[:, 0], (batch.doc_ids >= 0).flatten())
+
+
+def test_plan_covers_exactly_the_allowed_pairs():
+    """The (query, key) pairs of the packed segments under bottom-right causality are the dense rule's."""
+    batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
+    plan = varlen.build_varlen_plan(batch.doc_ids, batch.branch_ids)
+    _check_plan_covers(plan, dense_mask(batch.doc_ids, batch.branch_ids)[:, 0], (batch.doc_ids >= 0).flatten())
 
 
 def test_padding_positions_get_zeros(kernel):
@@ -179,9 +217,13 @@ def test_auto_stays_flex_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the real FlashAttention varlen kernel needs CUDA")
 def test_real_kernel_on_cuda():
-    """bf16 against separate passes (verify's bf16 tolerance, 5e-2 relative); fp32 refused in one line."""
+    """bf16 against separate passes (verify's bf16 tolerance, 5e-2 relative), on prefix-shared and on tree lines;
+    fp32 refused in one line."""
     model = tiny_model("qwen2").cuda()
     with pytest.raises(ConfigError, match="bfloat16/float16"):
         compare(model, random_examples(), packs=[[0, 2], [1]], backend="varlen", pad_multiple=8)
     result = compare(model.to(torch.bfloat16), random_examples(), packs=[[0, 2], [1]], backend="varlen", pad_multiple=8)
+    assert result.ok(5e-2, 5e-2), result
+    build, _, lines = TREE_CASES["depth-3"]  # tree lines through the real kernel
+    result = compare(model, build(random.Random(0)), packs=lines, backend="varlen", pad_multiple=8, tree=True)
     assert result.ok(5e-2, 5e-2), result

@@ -12,8 +12,8 @@
                    steps hold several records of one prompt (`GROUPED_MODE`).
     trie-packed    a token trie across records (`data.tree`): the group's records in tree lines, every token
                    their sequences share with all tokens before it once (a system prompt, earlier turns); lines
-                   planned as training's `prefix_tree` plans them (`plan_tree_lines`). Run only where a trie saves a tenth of the grouped rows' tokens or more, with a
-                   backend that follows tree lines (`TRIE_MODE`).
+                   planned as training's `prefix_tree` plans them (`plan_tree_lines`). Run only where a trie saves
+                   a tenth of the grouped rows' tokens or more (`TRIE_MODE`).
 
 Fairness of packing (our choice): both packed modes use ONE pack length per workload, the paper's rule
 (`auto_pack_length`: 1.1 x p95 of the prefix-shared row lengths, rounded up to 128, never below the

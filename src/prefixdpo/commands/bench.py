@@ -168,7 +168,6 @@ def run(args) -> int:
     from prefixdpo.bench.model import SHAPES, build_models
     from prefixdpo.bench.report import markdown_report, to_json
     from prefixdpo.bench.runner import run_workload, workload_modes
-    from prefixdpo.core.attention.backends import TREE_BACKENDS
     from prefixdpo.bench.step import DPOStep
     from prefixdpo.bench.clock import step_clock
 
@@ -206,9 +205,7 @@ def run(args) -> int:
         check_positions(policy, workloads[0].examples, args.dataset)
     pad_id = getattr(policy.config, "pad_token_id", None) or 0
 
-    # the trie mode: a DPO step (reward scores do not follow trees yet) on a backend whose mask follows tree lines
-    trie = not reward and backend in TREE_BACKENDS
-    steps = sum(len(w.groups) * len(workload_modes(w, trie=trie)) for w in workloads) * (
+    steps = sum(len(w.groups) * len(workload_modes(w, trie=True)) for w in workloads) * (
         settings["warmup"] + settings["repeats"])
     results = []
     t0 = time.perf_counter()
@@ -217,7 +214,7 @@ def run(args) -> int:
             bar.set_description(w.name)
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
-                                        line_per_step=line_per_step, trie=trie,
+                                        line_per_step=line_per_step, trie=True,
                                         line_multiple=line_multiple, clock=clock))
     elapsed = time.perf_counter() - t0
     if reward:

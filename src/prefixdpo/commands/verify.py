@@ -25,7 +25,6 @@ DEFAULT_RESPONSES = [
 
 # the tree case: every record behind this system prompt, one record per pair (records of a prompt share it)
 DEFAULT_SYSTEM_PROMPT = "System: you are a careful assistant. Answer briefly and truthfully.\n"
-TREE_BACKENDS = ("sdpa", "segmented", "flex")  # prefixdpo.core.attention.backends.TREE_BACKENDS (no torch here)
 TREE_CASE = "trie (system prompt + shared prompts)"
 
 # prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch (tested equal)
@@ -40,7 +39,8 @@ def register(subparsers) -> None:
         "verify",
         help="check prefix-shared log-probs and gradients against separate passes on your model",
         description=(
-            "Builds prefix-shared and packed rows (K=2 and K=4), and standard sequences packed without sharing, "
+            "Builds prefix-shared and packed rows (K=2 and K=4), standard sequences packed without sharing, and a "
+            "token trie (each pair a record of its own, every record behind one system prompt), "
             "from built-in or given text, and compares "
             "per-response log-probs and the gradient of a DPO loss against separate standard forward passes "
             "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss; --task grpo: the per-token "
@@ -190,15 +190,9 @@ def run(args) -> int:
          [list(range(0, n, 2)), list(range(1, n, 2))] if n > 1 else [[0]], True, False),
         ("standard sequences packed, no sharing", examples, [list(range(n))], False, False),
     ]
-    tree_note = None
-    if args.task == "reward":
-        tree_note = "reward scores do not follow tree lines yet"
-    elif backend not in TREE_BACKENDS:
-        tree_note = f"attention={backend} does not follow tree lines"
-    else:
-        records = _tree_examples(tokenizer, examples)
-        check_positions(model, records, args.text_file or "built-in")
-        cases.append((TREE_CASE, records, None, True, True))
+    records = _tree_examples(tokenizer, examples)
+    check_positions(model, records, args.text_file or "built-in")
+    cases.append((TREE_CASE, records, None, True, True))
     arch = type(model).__name__
     try:
         check_model_supported(model, backend)
@@ -217,14 +211,12 @@ def run(args) -> int:
     for name, case_examples, packs, sharing, tree in cases:
         result = compare_fn(
             model, case_examples, packs=packs, backend=backend, case=name, pad_multiple=pad_multiple,
-            restart_positions=not args.no_restart_positions, prefix_sharing=sharing, **({"tree": True} if tree else {}),
+            restart_positions=not args.no_restart_positions, prefix_sharing=sharing, tree=tree,
         )
         ok = result.ok(logp_tol, grad_tol)
         failed |= not ok
         grad = "n/a" if result.grad_diff is None else f"{result.grad_diff:.3e}"
         print(f"{name:38} {result.logp_diff:12.3e} {grad:>12}  {'ok' if ok else 'FAIL'}")
-    if tree_note:
-        print(f"{TREE_CASE:38} {'n/a':>12} {'n/a':>12}  skipped: {tree_note}")
     print("verdict: " + ("FAIL: prefix sharing does not match separate passes" if failed else
                          "prefix sharing matches separate passes"))
     return 1 if failed else 0

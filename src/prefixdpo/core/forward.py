@@ -23,7 +23,6 @@ from prefixdpo.core.model_checks import check_sequences_fit_window, text_config,
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 from prefixdpo.data.batch import Batch
-from prefixdpo.errors import ConfigError
 
 def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
     """Call `model` (bare, or wrapped by DDP / FSDP2 / DeepSpeed) with `inputs`, running `body` as the
@@ -100,9 +99,6 @@ def compute_response_logps(
     """
     hf = unwrap(model)
     check_sequences_fit_window(model, batch)
-    if router_aux and batch.is_tree:
-        raise ConfigError("the MoE load-balancing loss does not weigh tree lines' tokens yet: use "
-                          "router_aux_loss_coef=0 or lines without trees")
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:

@@ -1,5 +1,6 @@
-"""Mixture-of-Experts load balancing as TRL 1.16 computes it, on prefix-shared rows: the router logits of every
-MoE layer, recorded during our forward, and each token weighted by how many of TRL's padded rows hold it."""
+"""Mixture-of-Experts load balancing as TRL 1.16 computes it, on prefix-shared rows and on tree lines: the router
+logits of every MoE layer, recorded during our forward, and each token weighted by how many of TRL's padded rows
+hold it."""
 
 from __future__ import annotations
 
@@ -67,12 +68,14 @@ def trl_token_multiplicity(batch: Batch) -> torch.Tensor:
     of a prefix-shared row equals TRL's on its padded rows: a prompt's router logits are the same in
     both of TRL's rows (causal), and each response's are those of its separate sequence (the mask rule).
     Each response's line, document and branch are the batch's own record of them (`Batch.response_line` ...).
+    Tree lines: `_tree_multiplicity`.
     """
+    in_pairs = torch.bincount(torch.cat([batch.pair_better, batch.pair_worse]), minlength=batch.num_responses).float()
+    if batch.is_tree:
+        return _tree_multiplicity(batch, in_pairs)
     B, device = batch.input_ids.shape[0], batch.input_ids.device
     docs = int(batch.doc_ids.max()) + 1 if batch.doc_ids.numel() else 1
     example = batch.response_line * docs + batch.response_doc  # [R]: (line, document) of each response as one number
-    R = batch.num_responses
-    in_pairs = torch.bincount(torch.cat([batch.pair_better, batch.pair_worse]), minlength=R).float()
     pairs_of_example = torch.bincount(example[batch.pair_better], minlength=B * docs).float()
     table = torch.zeros(B * docs, int(batch.branch_ids.max()) + 1, device=device)
     table[:, 0] = 2 * pairs_of_example
@@ -80,6 +83,25 @@ def trl_token_multiplicity(batch: Batch) -> torch.Tensor:
     real = batch.doc_ids >= 0
     rows = torch.arange(B, device=device)[:, None] * docs + batch.doc_ids.clamp(min=0)
     return torch.where(real, table[rows, batch.branch_ids.clamp(min=0)], 0.0)
+
+
+def _tree_multiplicity(batch: Batch, in_pairs: torch.Tensor) -> torch.Tensor:
+    """`trl_token_multiplicity` of tree lines; in_pairs [R]: the pairs each response is in. -> [B, L] fp32.
+
+    A node is computed once but lies on every sequence through it, and TRL runs response r's sequence once per
+    pair r is in: its weight is the sum of in_pairs[r] over the sequences through it, i.e. over the responses whose
+    last token (`Batch.response_last`) its span [tin, tout) holds. (A prompt with its responses: 2 per pair, as
+    above.) Each response's count sits at its last token's column; a node sums the counts in its span, by a
+    prefix sum along the line.
+    """
+    B, L = batch.input_ids.shape
+    counts = torch.zeros(B, L + 1, device=in_pairs.device)  # counts[b, c + 1]: the sequences ending at column c
+    counts.index_put_((batch.response_line, batch.response_last + 1), in_pairs, accumulate=True)
+    before = counts.cumsum(dim=1)  # [B, L + 1]: before[b, c] = the counts at columns < c
+    tin, tout = batch.tree_spans[..., 0], batch.tree_spans[..., 1]
+    real = tin >= 0
+    weight = before.gather(1, tout.clamp(min=0)) - before.gather(1, tin.clamp(min=0))
+    return torch.where(real, weight, 0.0)
 
 
 def router_aux_loss(model, router_logits: list[torch.Tensor], batch: Batch) -> torch.Tensor:

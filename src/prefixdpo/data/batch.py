@@ -36,6 +36,10 @@ class Batch:
     max_sequence_length: longest standard `[prompt][response]` sequence in the batch (sliding-window checks)
     tree_spans:     [B, L, 2] long or None: tree lines (`data.tree`) give each token its node's (tin, tout), and
                     the attention rule is the tree's (ancestors and itself); None: the (document, branch) rule
+    response_last:  [R] long or None (set with tree_spans): the column, in line `response_line`, of the last token of
+                    each response's `[prompt][response]` sequence. That sequence is exactly the tokens whose span
+                    holds this column (the node's ancestors and itself): what reward scores and MoE token weights
+                    read on tree lines, where the (document, branch) record says nothing
     """
 
     input_ids: torch.Tensor
@@ -54,6 +58,7 @@ class Batch:
     pair_worse: torch.Tensor
     max_sequence_length: int = 0
     tree_spans: torch.Tensor | None = None
+    response_last: torch.Tensor | None = None
 
     @property
     def is_tree(self) -> bool:

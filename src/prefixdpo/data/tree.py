@@ -15,10 +15,11 @@ sees exactly the tokens of its own sequence before it, at their own positions, s
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.
 
-The dense SDPA mask, the segment plan and FlexAttention's mask_mod follow tree lines
-(`core.attention.backends.build_tree_attention_mask`); varlen refuses them in one line, and so do the reward scores
-and the MoE aux loss. DPO training builds them with `prefix_tree=true` (the loader plans its lines with
-`plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` reports what they save.
+Every attention backend follows tree lines (`core.attention.backends.build_tree_attention_mask`: the dense SDPA mask,
+the segment plan, the varlen plan, FlexAttention's mask_mod). A response's sequence is its last token's node and that
+node's ancestors (`Batch.response_last`): reward scores are read there, and the MoE aux loss weighs each node by the
+TRL rows through it. DPO and reward-model training build tree lines with `prefix_tree=true` (the loader plans its
+lines with `plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` reports what they save.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
     (`tree_line`), padded to `length` (default the longest line, rounded up to `pad_multiple`).
 
     The Batch is the usual one (responses numbered example by example, pairs in example order) plus
-    `tree_spans` [B, L, 2] = (tin, tout) of every token ((-1, -1) for padding). doc_ids is 0 for a line's real
+    `tree_spans` [B, L, 2] = (tin, tout) of every token ((-1, -1) for padding) and `response_last` [R], the column of
+    each response's sequence's last token (its ancestors are the rest of the sequence). doc_ids is 0 for a line's real
     tokens (one document: the tree), -1 for padding; branch_ids is 0 and carries nothing (the spans do).
     """
     lines = [list(range(len(examples)))] if lines is None else [list(line) for line in lines]
@@ -134,7 +136,7 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
     spans = torch.full((B, L, 2), -1, dtype=torch.long)
     R = offset[-1]
     t_line, t_col, t_ids, t_resp = [], [], [], []
-    r_line = [-1] * R
+    r_line, r_last = [-1] * R, [-1] * R
     for b, (line, tree) in enumerate(zip(lines, trees)):
         n = len(tree)
         input_ids[b, :n] = torch.tensor(tree.input_ids)
@@ -148,7 +150,7 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
             for k, response in enumerate(ex.response_ids):
                 seq = next(sequences)
                 r = offset[e] + k
-                r_line[r] = b
+                r_line[r], r_last[r] = b, seq[-1]
                 # token j of the response is predicted by the node before it on its own sequence
                 t_line.extend([b] * len(response))
                 t_col.extend(seq[p - 1 : p - 1 + len(response)])
@@ -167,7 +169,7 @@ def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]]
         response_branch=torch.zeros(R, dtype=torch.long),
         pair_better=as_long(better), pair_worse=as_long(worse),
         max_sequence_length=max(len(ex.prompt_ids) + len(r) for ex in examples for r in ex.response_ids),
-        tree_spans=spans,
+        tree_spans=spans, response_last=as_long(r_last),
     )
 
 

@@ -36,7 +36,6 @@ from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.data.inputs import as_examples
-from prefixdpo.errors import ConfigError
 
 __all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
 
@@ -102,9 +101,6 @@ class PrefixDPOTrainer(PrefixTrainerBase):
             self.add_callback(callback)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
                                    resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
-        if args.prefix_tree and self.objective.router_aux_loss_coef:
-            raise ConfigError("prefix_tree=true: the MoE load-balancing loss does not weigh tree lines' tokens yet: "
-                              "use router_aux_loss_coef=0 or prefix_tree=false")
         self.coupling = StepCoupling(self.objective, self.accelerator)
         self.reference.precompute_tables(self._named_datasets(), self.model)  # before training, as TRL does
 

@@ -4,6 +4,8 @@ A reward model (`AutoModelForSequenceClassification`, `num_labels=1`) scores a s
 head on the final hidden state of the sequence's last token. In a prefix-shared row every response
 attends to exactly its prompt and itself, so the hidden state at a response's last token is the one a
 separate `[prompt][response]` pass computes there: one body pass scores all K responses of a prompt.
+On tree lines (`data.tree`) the same holds at any depth: a response's sequence is its last token's node, that
+node's ancestors, in order, and nothing else, so every sequence sharing a node is scored in the one pass.
 
 Which token is "last" follows the stock model (and so TRL's `RewardTrainer`): the rightmost token of
 `[prompt][response]` that is not `config.pad_token_id` (TRL pads with the tokenizer's pad token, often
@@ -21,7 +23,6 @@ import torch
 from prefixdpo.data.batch import Batch
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.forward import decoder_output, through_engine
-from prefixdpo.errors import ConfigError
 from prefixdpo.core.logprobs import UnsupportedModelError
 
 
@@ -44,13 +45,20 @@ def score_head(model) -> torch.nn.Module:
 def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(line [R], column [R]) of the token whose hidden state scores each response (module docstring).
 
-    The candidates of response r are the tokens of its own sequence: its document's prompt (branch 0) and
-    its own branch. -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
-    document's first token.
+    The candidates of response r are the tokens of its own sequence: its document's prompt (branch 0) and its own
+    branch; on tree lines, the tokens whose span holds the sequence's last token (`Batch.response_last`: its
+    ancestors and itself). -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
+    sequence's first token. (A line holds a sequence's tokens in their order in both layouts.)
     """
-    line, doc, branch = batch.response_line, batch.response_doc, batch.response_branch
-    ids, docs, branches = batch.input_ids[line], batch.doc_ids[line], batch.branch_ids[line]  # [R, L]
-    own = (docs == doc[:, None]) & ((branches == 0) | (branches == branch[:, None]))
+    line = batch.response_line
+    ids = batch.input_ids[line]  # [R, L]
+    if batch.is_tree:
+        spans, last = batch.tree_spans[line], batch.response_last[:, None]  # [R, L, 2], [R, 1]
+        own = (spans[..., 0] <= last) & (last < spans[..., 1])  # padding's span (-1, -1) holds no column
+    else:
+        docs, branches = batch.doc_ids[line], batch.branch_ids[line]
+        doc, branch = batch.response_doc[:, None], batch.response_branch[:, None]
+        own = (docs == doc) & ((branches == 0) | (branches == branch))
     kept = own if pad_token_id is None else own & (ids != pad_token_id)
     columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     last = torch.where(kept, columns, -1).amax(dim=1)
@@ -61,12 +69,10 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
 def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor:
     """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
 
-    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once by the
+    attention_mask: the batch's mask for the run's backend (`backends.batch_attention_mask`), built once by the
     caller. A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
     its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
     """
-    if batch.is_tree:  # the score positions follow the (document, branch) rule (`score_positions`)
-        raise ConfigError("reward scores on tree lines are not built yet: lay the examples out without trees")
     cfg = text_config(base_model(model))
     head = score_head(model)
     if cfg.pad_token_id is None and batch.input_ids.shape[0] > 1:

@@ -14,7 +14,6 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 from __future__ import annotations
 
 from prefixdpo.core.attention.backends import batch_attention_mask
-from prefixdpo.errors import ConfigError
 from prefixdpo.data.loader import MicroBatch
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
@@ -41,9 +40,6 @@ class PrefixRewardTrainer(PrefixTrainerBase):
                  processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
         args = self._checked_args(args, PrefixRewardConfig)
-        if args.prefix_tree:  # the scores are read at positions the (document, branch) rule places
-            raise ConfigError("prefix_tree=true: reward scores do not follow tree lines yet: use prefix_tree=false "
-                              "(group_by_prompt still shares each prompt)")
         model, processing_class = prepare_reward_model(model, args, backend=self.backend, peft_config=peft_config,
                                                        tokenizer=processing_class)
         self._data_options = data_options or reward_data_options(args)

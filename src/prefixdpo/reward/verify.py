@@ -12,6 +12,7 @@ import torch
 from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
+from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.core.model_checks import prepare_model, text_config
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.reward.scores import compute_response_scores
@@ -30,17 +31,20 @@ def _grads(model) -> torch.Tensor:
 
 def compare_scores(model, examples: list[Example], *, packs=None, backend: str = "sdpa", prefix_sharing: bool = True,
                    pad_multiple: int = 1, case: str = "", pad_token_id: int = 0,
-                   restart_positions: bool = True) -> VerifyResult:
+                   restart_positions: bool = True, tree: bool = False) -> VerifyResult:
     """Max abs diff of per-response scores and of Bradley-Terry-loss gradients, our layout vs separate passes.
 
-    packs / prefix_sharing / pad_multiple: the layout, as `prefixdpo.core.verify.compare` (padding tokens are
+    packs / prefix_sharing / pad_multiple / tree: the layout, as `prefixdpo.core.verify.compare` (padding tokens are
     `pad_token_id`). Gradients are compared where the backend has a backward on the model's device.
     `VerifyResult.logp_*` hold the score differences. restart_positions=False breaks the layout on purpose
     (positions run on through the row), to show the check catches a wrong setup.
     """
     device = next(model.parameters()).device
-    batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple,
-                        pad_token_id=pad_token_id)
+    if tree:
+        batch = build_tree_batch(examples, packs, pad_multiple=pad_multiple, pad_token_id=pad_token_id)
+    else:
+        batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple,
+                            pad_token_id=pad_token_id)
     if not restart_positions:
         batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
     batch = batch.to(device)

@@ -41,11 +41,11 @@ from transformers.trainer_utils import EvalLoopOutput
 from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
-from prefixdpo.core.attention.backends import TREE_BACKENDS, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
 from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options, whole_model_state_dict
-from prefixdpo.errors import ConfigError, TrainingPreempted, UserError
+from prefixdpo.errors import TrainingPreempted, UserError
 from prefixdpo.core.model_checks import restore_stock_attention, unwrap
 from prefixdpo.rank_decisions import from_rank0
 from prefixdpo.training.nonfinite import NonFiniteGuard, check_engine_support, poisoned
@@ -69,9 +69,6 @@ class PrefixTrainerBase(Trainer):
             raise TypeError(f"args must be a {config_class.__name__}")
         self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
         logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
-        if args.prefix_tree and self.backend not in TREE_BACKENDS:
-            raise ConfigError(f"prefix_tree=true: attention={self.backend!r} does not follow tree lines (only "
-                              f"{', '.join(TREE_BACKENDS)} do): choose one of them, or prefix_tree=false")
         return args
 
     def _examples_of(self, train_dataset, eval_dataset, tokenizer, args):

@@ -31,9 +31,10 @@ GROUP_BY_PROMPT_HELP = (
 
 
 PREFIX_TREE_HELP = (
-    "Packed lines become token tries across their records (DPO training): tokens several records share from "
+    "Packed lines become token tries across their records (DPO and reward-model training): tokens several records "
+    "share from "
     "their start (a system prompt, a prompt several records name, the earlier turns of a dialogue) run once per "
-    "line, every pair's loss unchanged. Needs prefix_sharing and packing, and attention sdpa, segmented or flex. "
+    "line, every pair's loss unchanged. Needs prefix_sharing and packing. "
     "Off by default because, as group_by_prompt, it changes which pairs share an optimizer step: a line holds "
     "whole subtrees (the records sharing a prefix together, the subtrees packed best fit; the same lines every "
     "epoch, in a shuffled order); a subtree too big for a line is split, each part repeating the shared prefix "

@@ -5,6 +5,8 @@ sdpa/flex runs it without per-architecture patches. transformers hands a 4D tens
 as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
 build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor
 carrying a `prefix_plan` runs segmented SDPA, one carrying a `varlen_plan` runs FlashAttention varlen.
+Tree lines (`data.tree`) have each backend's mask built along their tree (`build_tree_attention_mask`): every backend
+follows them.
 """
 
 from __future__ import annotations
@@ -120,24 +122,22 @@ def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backen
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
 
 
-TREE_BACKENDS = ("sdpa", "segmented", "flex")  # the backends whose mask follows tree lines (`data.tree`)
-
-
 def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
     """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend, marked `follows_tree`: the
-    dense SDPA mask of the tree rule, the segment plan cut along the tree, or the tree's FlexAttention BlockMask.
-    varlen refuses tree lines (its plan follows the (document, branch) rule only): a ConfigError naming it."""
-    if backend not in TREE_BACKENDS:
-        raise ConfigError(f"attention={backend!r} does not follow tree lines yet (only {', '.join(TREE_BACKENDS)} "
-                          "do): use attention='sdpa', 'segmented' or 'flex'")
-    if backend == "flex":
-        mask = tree_block_mask(tree_spans)
+    dense SDPA mask of the tree rule, the segment plan or the varlen plan cut along the tree, or the tree's
+    FlexAttention BlockMask. Every backend follows tree lines."""
+    if backend == "varlen":
+        mask = varlen.varlen_plan_mask(varlen.build_tree_varlen_plan(tree_spans), tree_spans.device)
     elif backend == "segmented":
         lines = torch.zeros(tree_spans.shape[:2], dtype=torch.long, device=tree_spans.device)  # [B, L]: the shape
         plan = build_segment_plan(lines, lines, tree_spans=tree_spans)
         mask = segment_plan_mask(plan, tree_spans.device)
-    else:
+    elif backend == "flex":
+        mask = tree_block_mask(tree_spans)
+    elif backend == "sdpa":
         mask = tree_dense_mask(tree_spans)
+    else:
+        raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
     mask.follows_tree = True
     return mask
 
@@ -154,5 +154,5 @@ def check_mask_follows_lines(batch, attention_mask) -> None:
     """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
     let each token see the wrong ones. A ConfigError in one line."""
     if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
-        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, attention='sdpa'); "
-                          "this mask follows the (document, branch) rule")
+        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, or "
+                          "batch_attention_mask for any batch); this mask follows the (document, branch) rule")

@@ -3,7 +3,9 @@
 The segments are those of `attention/segments.py`: per document, the prompt and the first response are
 one causal sequence (queries = keys = `[prompt][response 1]`), and every later response k is a sequence
 of its own queries over the gathered keys `[prompt][response k]`, causal aligned bottom-right (query i
-sees the whole prompt and response tokens 0..i). FlashAttention's varlen kernel takes all segments of
+sees the whole prompt and response tokens 0..i). Tree lines (`data.tree`) are cut as the segment plan cuts them
+(`segments._tree_segments`): each run of tokens whose parent is the token before it, its keys the run's ancestors
+then the run, causal aligned bottom-right. FlashAttention's varlen kernel takes all segments of
 the batch packed end to end, with separate cumulative lengths for queries and keys, so each segment
 computes only its allowed blocks and nothing is padded.
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixdpo.core.attention.segments import _segments
+from prefixdpo.core.attention.segments import _segments, _tree_segments
 from prefixdpo.errors import ConfigError
 
 try:
@@ -63,8 +65,18 @@ class VarlenPlan:
 
 def build_varlen_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> VarlenPlan:
     """Plan varlen attention for [B, L] doc ids (-1 = padding) and branch ids (see module docstring)."""
-    B, L = doc_ids.shape
-    segs = _segments(doc_ids.cpu(), branch_ids.cpu())
+    return _packed_plan(_segments(doc_ids.cpu(), branch_ids.cpu()), *doc_ids.shape, doc_ids.device)
+
+
+def build_tree_varlen_plan(tree_spans: torch.Tensor) -> VarlenPlan:
+    """Plan varlen attention for tree lines' [B, L, 2] spans ((tin, tout); (-1, -1) = padding): the segment plan's
+    segments (`segments._tree_segments`), packed end to end."""
+    B, L, _ = tree_spans.shape
+    return _packed_plan(_tree_segments(tree_spans.cpu()), B, L, tree_spans.device)
+
+
+def _packed_plan(segs: list[tuple[list[int], list[int]]], B: int, L: int, device) -> VarlenPlan:
+    """The VarlenPlan of (query flat indices, key flat indices) segments of a [B, L] batch, in their order."""
     q_index: list[int] = []
     kv_index: list[int] = []
     cu_q, cu_k = [0], [0]
@@ -76,7 +88,6 @@ def build_varlen_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> Varlen
     out_index = [len(q_index)] * (B * L)
     for row, token in enumerate(q_index):
         out_index[token] = row
-    device = doc_ids.device
 
     def as_tensor(x, dtype=torch.long):
         return torch.tensor(x, dtype=dtype, device=device)
