@@ -320,3 +320,90 @@ def test_prefix_tree_needs_prefix_sharing_and_packing(tmp_path):
     with pytest.raises(ConfigError, match="prefix_tree=true needs"):
         PrefixRewardConfig(output_dir=str(tmp_path), prefix_tree=True, use_cpu=True)
 
+
+def k_response_records(seed: int = 0, prompts: int = 4) -> list[Example]:
+    """Multi-response records behind one 10-token system prompt: each prompt named by two records of K = 3 and
+    K = 4 responses (one response in both records), several pairs each, one pair against the order the responses
+    came in; a prompt, the system prompt's subtree and the responses of one prompt are three depths of one trie."""
+    g = random.Random(seed)
+    system = _ids(g, 10)
+    out = []
+    for _ in range(prompts):
+        prompt = system + _ids(g, g.randrange(3, 7))
+        responses = [_ids(g, g.randrange(2, 6)) for _ in range(6)]
+        out.append(Example(prompt, responses[:3], ((0, 1), (0, 2), (2, 1))))
+        out.append(Example(prompt, (responses[0], *responses[3:]), ((1, 0), (0, 2), (3, 1), (2, 3))))
+    return [Example(ex.prompt_ids, ex.response_ids, ex.pairs, i) for i, ex in enumerate(out)]
+
+
+def _trainable(model) -> torch.Tensor:
+    """Every trainable parameter, flattened in order (the LoRA adapters with `peft_config`)."""
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
+
+
+def _one_step_on(tmp_path, name: str, examples, *, peft_config=None, **options):
+    """(trainer, its logged step, gradient [trainable elements]) of one SGD step (lr 10, every example in one
+    micro-batch) from the tiny Llama every run starts from; the reference is the model with its weights x 0.9, or,
+    with `peft_config` (LoRA adapters initialised non-zero), the policy with its adapter off."""
+    ref = None
+    if peft_config is None:
+        ref = tiny_model("llama")
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(0.9)
+    trainer = PrefixDPOTrainer(model=tiny_model("llama"), ref_model=ref, peft_config=peft_config,
+                               args=_dpo_config(tmp_path, name, per_device_train_batch_size=len(examples), **options),
+                               train_dataset=examples)
+    before = _trainable(trainer.model)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(trainer._train_micro) == 1
+    return trainer, log, (before - _trainable(trainer.model)) / 10.0
+
+
+def _same_step(a: tuple, b: tuple) -> float:
+    """Asserts two `_one_step_on` results took the same step (loss 1e-5 relative, gradient 1e-5 relative to its
+    largest entry, which is not tiny); returns the gradients' largest difference over that scale."""
+    (_, a_log, a_grad), (_, b_log, b_grad) = a, b
+    assert a_log["loss"] == pytest.approx(b_log["loss"], rel=1e-5)
+    assert a_log["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
+    scale = b_grad.abs().max().item()
+    worst = (a_grad - b_grad).abs().max().item() / scale
+    assert scale > 1e-4 and worst <= 1e-5
+    return worst
+
+
+def test_one_lora_step_on_tree_lines_equals_the_packed_prefix_shared_step(tmp_path):
+    """LoRA (q/v adapters, initialised non-zero; the reference is the adapter off): one step on tree lines equals
+    the same step on packed prefix-shared rows (no trie), loss and every adapter gradient 1e-5; the base weights
+    stay as they were."""
+    from peft import LoraConfig
+
+    lora = lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,  # noqa: E731
+                              init_lora_weights=False)
+    examples = k_response_records() + dialogue(random.Random(5), 3)
+    tree = _one_step_on(tmp_path, "tree", examples, peft_config=lora(), packing=True, pack_length=512,
+                        prefix_tree=True)
+    packed = _one_step_on(tmp_path, "packed", examples, peft_config=lora(), packing=True, pack_length=512)
+    assert tree[0]._train_micro[0].batch.is_tree and not packed[0]._train_micro[0].batch.is_tree
+    assert tree[0].reference.adapter_off
+    assert tree[1]["prefix_sharing/tokens_saved"] > packed[1]["prefix_sharing/tokens_saved"]  # the trie shared more
+    _same_step(tree, packed)
+    base = {n: p for n, p in tree[0].model.named_parameters() if not p.requires_grad}
+    start = dict(tiny_model("llama").named_parameters())
+    assert all(torch.equal(p, start[n.replace("base_model.model.", "").replace(".base_layer", "")])
+               for n, p in base.items())
+
+
+def test_one_step_on_k_response_records_on_tree_lines_equals_standard_dpo(tmp_path):
+    """Records of K = 3 and 4 responses and several pairs each (two per prompt, all behind one system prompt) on
+    tree lines, packed two lines to the micro-batch, vs standard DPO (every `[prompt][response]` its own row): one
+    step, loss and gradients 1e-5."""
+    examples = k_response_records()
+    tree = _one_step_on(tmp_path, "tree", examples, packing=True, pack_length=96, prefix_tree=True)
+    standard = _one_step_on(tmp_path, "standard", examples, prefix_sharing=False)
+    micro = tree[0]._train_micro[0]
+    assert micro.batch.is_tree and micro.batch.input_ids.shape[0] >= 2  # several lines in the micro-batch
+    assert micro.batch.num_pairs == sum(len(ex.pairs) for ex in examples)
+    assert micro.shared_tokens < sum(ex.shared_length for ex in examples)  # the trie shares across records
+    _same_step(tree, standard)

@@ -189,6 +189,15 @@ def empty_batch(pad_token_id: int = 0) -> Batch:
     return Batch(**lines, **empty, max_sequence_length=1)
 
 
+def stand_in_batch(pad_token_id: int = 0) -> Batch:
+    """One line of three tokens, a 1-token prompt and two 1-token responses, and no pair: what a rank-balancing empty
+    micro-batch of DPO training runs at zero weight. Unlike `empty_batch` it has response tokens, so the policy's
+    pass calls every module a micro-batch with pairs calls, its LM head on response rows included (engines that
+    gather a module's weights at each call, FSDP2's final-norm + head unit and ZeRO-3, need the same calls on
+    every rank)."""
+    return build_batch([Example((pad_token_id,), ((pad_token_id,), (pad_token_id,)), pairs=())])
+
+
 MARGIN = "margin"  # `Example.meta` key of a record's reward margin (TRL's `margin` column, reward models)
 
 

@@ -107,6 +107,11 @@ class Reference:
         """LD-DPO's per-token log-probs (no grad), or None without a reference."""
         return self.response_logps(policy, batch, mask)
 
+    def idle_pass(self, policy, batch: Batch, mask) -> None:
+        """What a rank-balancing empty micro-batch (no pairs) runs of the reference while other ranks' micro-batches
+        run `sums`: a reference that runs a model pass joins collectives (the policy's engine with its adapter off,
+        a sharded reference model, DDP's buffer broadcast), so it runs that pass too. Nothing here: no pass."""
+
     def prepare_for_engine(self, accelerator) -> None:
         """Make the reference ready for the policy's engine (FSDP2, DeepSpeed, a device): nothing to do here."""
 
@@ -152,6 +157,9 @@ class ModelPassReference(Reference):
     def response_logps(self, policy, batch, mask) -> ResponseLogps:
         return reference_response_logps(self.weights(policy), batch, mask, adapter_off=self.adapter_off,
                                         chunk_size=self.chunk_size)
+
+    def idle_pass(self, policy, batch, mask) -> None:
+        self.response_logps(policy, batch, mask)  # its result weighs nothing: only its collectives count
 
     def _mask(self, batch: Batch):
         """A table batch's mask (one per batch, no grad)."""

@@ -25,12 +25,12 @@ from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
-from prefixdpo.core.forward import zero_weight_loss
+from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.dpo.metrics import DPOMetricSums
 from prefixdpo.training.model_setup import prepare_policy
 from prefixdpo.dpo.reference import build_reference
 from prefixdpo.data.batch import Batch
-from prefixdpo.data.loader import MicroBatch
+from prefixdpo.data.loader import MicroBatch, stand_in_batch
 from prefixdpo.dpo.objective import PairLogps
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.dpo.coupling import StepCoupling
@@ -188,7 +188,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
     def _compute_loss(self, model, inputs, return_outputs):
         result, step = self._pair_step(model, inputs, "train")
         if result is None:  # a rank-balancing empty slot
-            loss = zero_weight_loss(model, step.batch, step.mask)
+            loss = self._idle_loss(model)
         else:
             # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
             # ranks of (pair losses / all pairs of the step)
@@ -198,6 +198,21 @@ class PrefixDPOTrainer(PrefixTrainerBase):
                 coef = self.objective.router_aux_loss_coef
                 loss = loss + coef * result.aux_loss / self.current_gradient_accumulation_steps
         return (loss, {}) if return_outputs else loss
+
+    def _idle_loss(self, model) -> torch.Tensor:
+        """A rank-balancing empty slot's loss: 0 x the passes a micro-batch with pairs runs, in its order (the
+        policy's, its head on response rows included, then the reference's), on a stand-in line
+        (`loader.stand_in_batch`), so every engine's collectives line up with the ranks that train pairs: DDP's
+        buffer broadcast at each call of the wrapped policy (the adapter-off reference too), FSDP2's and ZeRO-3's
+        per-module gathers, a sharded reference model's."""
+        batch = stand_in_batch(self.pad_token_id).to(self.args.device)
+        mask = batch_attention_mask(batch, self.backend)
+        logps = compute_response_logps(model, batch, mask, chunk_size=self.args.logprob_chunk_size,
+                                       wpo=self.objective.params.use_weighting,
+                                       router_aux=self.objective.router_aux_loss_coef != 0.0)
+        self.reference.idle_pass(model, batch, mask)
+        loss = logps.sums.sum() * 0.0
+        return loss if logps.aux_loss is None else loss + logps.aux_loss * 0.0
 
     # ---- resume -----------------------------------------------------------------------------
 
