@@ -48,3 +48,15 @@ def data_fingerprint(examples: Sequence[Example]) -> str:
     for ex in examples:
         h.update(repr((ex.prompt_ids, ex.response_ids, ex.pairs)).encode())
     return h.hexdigest()
+
+
+def records_fingerprint(records, extra: Sequence[str] = ()) -> str:
+    """sha256 of every record (a dict of JSON-able fields: a prompt dataset's rows, in order) and of `extra`
+    (names of what else defines the data, e.g. reward functions)."""
+    h = hashlib.sha256()
+    for name in extra:
+        h.update(f"{name}\n".encode())
+    for record in records:
+        h.update(json.dumps(record, sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()

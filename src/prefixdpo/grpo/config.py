@@ -1,7 +1,8 @@
 """Options of the group-RL trainers and commands.
 
 `PrefixGRPOConfig` / `PrefixRLOOConfig`: TRL 1.16's `GRPOConfig` / `RLOOConfig` (every field, with TRL's name,
-default and meaning) plus `GroupLayoutOptions`, the layout of the log-prob passes. One resolution differs from
+default and meaning) plus `GroupLayoutOptions`, the layout of the log-prob passes, and `RunSafetyOptions`
+(`nonfinite`, `nonfinite_max_consecutive`, `overwrite_output_dir`, as for DPO). One resolution differs from
 TRL's, as in `PrefixDPOConfig`: `bf16` not set means bf16 where the device computes in it natively (CUDA
 Ampere+, XPU, NPU, TPU), fp32 elsewhere; TRL turns it on everywhere, which a CPU run without `use_cpu` refuses.
 
@@ -19,7 +20,10 @@ from trl import GRPOConfig, RLOOConfig
 
 from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
-from prefixdpo.training.options import ScriptArguments, check_attention_and_pack_length, device_has_bf16
+from prefixdpo.training.nonfinite import check_nonfinite_options
+from prefixdpo.training.options import (
+    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16,
+)
 
 
 @dataclass
@@ -54,11 +58,13 @@ class GroupLayoutOptions:
 
     def _check_prefix_options(self) -> None:
         check_attention_and_pack_length(self)
+        check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
 
 
 @dataclass
-class PrefixGRPOConfig(GroupLayoutOptions, GRPOConfig):
-    """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions`."""
+class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
+    """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions` + `RunSafetyOptions` (a non-finite
+    step, an output_dir of another run)."""
 
     def __post_init__(self) -> None:
         self._resolve_before_trl()
@@ -67,8 +73,8 @@ class PrefixGRPOConfig(GroupLayoutOptions, GRPOConfig):
 
 
 @dataclass
-class PrefixRLOOConfig(GroupLayoutOptions, RLOOConfig):
-    """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions`."""
+class PrefixRLOOConfig(GroupLayoutOptions, RunSafetyOptions, RLOOConfig):
+    """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions` + `RunSafetyOptions`."""
 
     def __post_init__(self) -> None:
         self._resolve_before_trl()
