@@ -159,6 +159,43 @@ def test_sigterm_to_the_command_saves_exits_non_zero_and_resumes_exactly(work):
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-6
 
 
+def test_preempted_two_rank_torchrun_saves_exits_non_zero_and_resumes_exactly(work):
+    """(~2.5 min) SIGTERM to torchrun (2 gloo ranks) after the 3rd logged step: both ranks finish that optimizer
+    step, one complete checkpoint is saved, torchrun exits non-zero, nothing is exported; the resume ends on the
+    weights of an uninterrupted 2-rank run."""
+
+    def launch(out, *extra):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "prefixdpo.cli", *_grpo(work, out, "--max_steps", "8", "--save_strategy", "steps", "--save_steps",
+                                        "100", *extra)]
+        return subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    reference = launch(work / "ddp-reference")
+    out, err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, err[-3000:]
+    run = launch(work / "ddp-preempted")
+    seen = 0
+    for line in run.stdout:
+        seen += line.startswith("step ")
+        if seen == 3:
+            run.send_signal(signal.SIGTERM)
+            break
+    out, err = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert "preempted at step" in err, err[-3000:]
+    step = int(err.split("preempted at step ")[1].split()[0])
+    assert 3 <= step < 8
+    folder = work / "ddp-preempted" / f"checkpoint-{step}"
+    assert checkpoints.checkpoint_problem(str(folder), None) is None
+    assert "Model saved" not in out and not (work / "ddp-preempted" / "model.safetensors").exists()
+    resumed = launch(work / "ddp-preempted", "--resume_from_checkpoint", "latest")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    expected = load_file(str(work / "ddp-reference" / "model.safetensors"))
+    got = load_file(str(work / "ddp-preempted" / "model.safetensors"))
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-6
+
+
 # ---- a NaN step -------------------------------------------------------------------------------------
 
 

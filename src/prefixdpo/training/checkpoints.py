@@ -46,6 +46,9 @@ VOLATILE_OPTIONS = frozenset({
     "include_tokens_per_second", "ddp_timeout", "local_rank", "debug", "restore_callback_states_from_checkpoint",
     "use_cpu", "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "deepspeed", "fsdp",
     "fsdp_config", "accelerator_config",
+    # GRPO/RLOO: what is printed or logged of the completions, and where a vLLM server listens
+    "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
 })
 VOLATILE_PREFIXES = ("hub_", "logging_", "trackio_")
 
