@@ -22,7 +22,7 @@ from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16,
+    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16, join_cpu_processes,
 )
 
 
@@ -50,6 +50,7 @@ class GroupLayoutOptions:
 
     def _resolve_before_trl(self) -> None:
         """TRL's defaults where they need the device (see the module doc); before TRL's own `__post_init__`."""
+        join_cpu_processes(self)  # torchrun on a CPU machine: one gloo job, not N runs writing one output_dir
         if self.bf16 is None:
             self.bf16 = not self.fp16 and device_has_bf16(self.use_cpu)
         # TRL's name; transformers calls it a deprecated alias of activation_checkpointing and warns unless set
