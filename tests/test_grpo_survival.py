@@ -302,3 +302,42 @@ def test_epoch_sampler_repeats_trls_order_and_resumes_it():
     resumed.set_epoch(2)
     assert list(resumed) == trl_epochs[2]
     assert list(make(RepeatSampler)) != trl_epochs[2]  # what TRL's sampler gives a run resumed in epoch 2
+
+
+def test_num_iterations_2_resumes_exactly_at_a_cycle_boundary_and_says_so_inside_one(tmp_path, caplog):
+    """(~6 s) num_iterations=2 (each generation serves two optimizer steps): resumed from checkpoint-2 (a cycle
+    boundary) the run ends on the uninterrupted run's weights; resumed from checkpoint-1 (inside a cycle, whose
+    completions TRL kept in memory only) it finishes and says once that it generated the rest anew."""
+    from grpo_common import prompt_dataset, reward_vowels, tiny_causal_lm, tokenizer
+
+    from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer
+
+    torch.set_num_threads(1)
+
+    def trainer(out: str, max_steps: int):
+        args = PrefixGRPOConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=4, num_generations=4,
+                                max_completion_length=8, max_steps=max_steps, num_iterations=2, learning_rate=1e-2,
+                                logging_steps=1, seed=0, use_cpu=True, report_to="none", disable_tqdm=True,
+                                save_strategy="steps", save_steps=1)
+        torch.manual_seed(0)
+        return PrefixGRPOTrainer(model=tiny_causal_lm(), reward_funcs=reward_vowels, args=args,
+                                 train_dataset=prompt_dataset(4), processing_class=tokenizer())
+
+    def weights(t):
+        return {k: v.detach().clone() for k, v in unwrap(t.model).named_parameters()}
+
+    whole = trainer("whole", 4)
+    whole.train()
+    short = trainer("short", 2)
+    short.train()
+    caplog.clear()
+    resumed = trainer("short", 4)
+    resumed.train(resume_from_checkpoint="latest")
+    assert not [r for r in caplog.records if "generation cycle" in r.getMessage()]
+    a, b = weights(whole), weights(resumed)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    inside = trainer("short", 4)
+    inside.train(resume_from_checkpoint=str(tmp_path / "short" / "checkpoint-1"))
+    said = [r.getMessage() for r in caplog.records if "generation cycle" in r.getMessage()]
+    assert len(said) == 1 and "micro-step 1 of every 2" in said[0], said
+    assert inside.state.global_step == 4

@@ -23,8 +23,10 @@ Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between 
 checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
 the trajectory options), `resume_from_checkpoint="latest"`, another run's output_dir refused, SIGTERM/SIGUSR1 ->
 checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports. TRL
-keeps no state of its own across optimizer steps that a resume would need when generation happens at every
-optimizer step (`steps_per_generation` = `gradient_accumulation_steps`, `num_iterations` = 1, TRL's defaults):
+keeps no state of its own across optimizer steps that a resume would need when a checkpoint falls at the end of
+a generation cycle (always with `steps_per_generation` = `gradient_accumulation_steps` and `num_iterations` = 1,
+TRL's defaults; TRL's micro-step counter is saved, its buffered completions are not: resumed inside a cycle, the
+rest of the cycle is generated anew, and said once):
 generation draws from the global torch RNG that Trainer saves in every checkpoint and restores on resume, and
 the prompt order is TRL's seeded `RepeatSampler`'s, made resumable (`EpochRepeatSampler`: TRL's sampler draws
 one permutation per pass from a generator seeded once, so a resumed run drew epoch 0's order again).
@@ -190,6 +192,21 @@ class PrefixSharedLogps:
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
         _fill_safety_defaults(self.args)
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+
+    def _checkpoint_state(self) -> dict:
+        # TRL's micro-step counter, which places a step in its generation cycle (`_prepare_inputs`)
+        return {"micro_step": int(self._step)}
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        self._step = int(state.get("micro_step", 0))
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every:
+            # TRL keeps the completions of a generation cycle in memory only (`_buffered_inputs`): resumed inside
+            # one, it generates them anew for the rest of the cycle, so the run goes on from the checkpoint but
+            # is not the uninterrupted run's trajectory (that needs a checkpoint at a cycle boundary).
+            logger.warning("resumed inside a generation cycle (micro-step %d of every %d): TRL generates the "
+                           "completions of the rest of this cycle anew; save_steps at a multiple of the cycle "
+                           "resumes exactly", self._step, generate_every)
 
     def _fingerprint_data(self) -> str:
         """Every prompt record of the training set, in order, and the reward functions' names (what the run
