@@ -22,14 +22,14 @@ through which TRL computes *every* log-prob pass is replaced, `_get_per_token_lo
 Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between this class and TRL's): staged
 checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
 the trajectory options), `resume_from_checkpoint="latest"`, another run's output_dir refused, SIGTERM/SIGUSR1 ->
-checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports. TRL
-keeps no state of its own across optimizer steps that a resume would need when a checkpoint falls at the end of
-a generation cycle (always with `steps_per_generation` = `gradient_accumulation_steps` and `num_iterations` = 1,
-TRL's defaults; TRL's micro-step counter is saved, its buffered completions are not: resumed inside a cycle, the
-rest of the cycle is generated anew, and said once):
-generation draws from the global torch RNG that Trainer saves in every checkpoint and restores on resume, and
-the prompt order is TRL's seeded `RepeatSampler`'s, made resumable (`EpochRepeatSampler`: TRL's sampler draws
-one permutation per pass from a generator seeded once, so a resumed run drew epoch 0's order again).
+checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports.
+
+A resume continues the uninterrupted run exactly when its checkpoint ends a generation cycle (every checkpoint
+with TRL's defaults `steps_per_generation` = `gradient_accumulation_steps`, `num_iterations` = 1): generation
+draws from the global torch RNG, which Trainer saves in every checkpoint and restores; the prompt order is TRL's
+seeded `RepeatSampler`'s, made resumable (`EpochRepeatSampler`: TRL's draws one permutation per pass from a
+generator seeded once, so a run resumed in epoch e drew epoch 0's order); TRL's micro-step counter is saved.
+TRL's buffered completions are not: resumed inside a cycle, it generates the rest of the cycle anew (said once).
 """
 
 from __future__ import annotations
