@@ -50,13 +50,14 @@ def kill_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def inject(point: str, step: int) -> None:
-    """Patch the child so that it dies (or is signalled) at `point` during optimizer step / save `step`."""
+def inject(point: str, step: int, trainer_class=PrefixTrainerBase) -> None:
+    """Patch the child so that it dies (or is signalled) at `point` during optimizer step / save `step`;
+    `trainer_class` is the class whose methods are patched (the GRPO trials patch `SurvivingRun`)."""
     def step_of(trainer):
         return trainer.state.global_step
 
     if point in ("mid_step", "sigterm", "sigusr1"):
-        original = PrefixTrainerBase.training_step
+        original = trainer_class.training_step
 
         def training_step(self, *args, **kwargs):
             if step_of(self) == step - 1:  # inside step `step` (global_step counts finished steps)
@@ -65,7 +66,7 @@ def inject(point: str, step: int) -> None:
                 os.kill(os.getpid(), signal.SIGTERM if point == "sigterm" else signal.SIGUSR1)
             return original(self, *args, **kwargs)
 
-        PrefixTrainerBase.training_step = training_step
+        trainer_class.training_step = training_step
     elif point == "between_steps":
         original = Trainer._maybe_log_save_evaluate
 
@@ -77,14 +78,14 @@ def inject(point: str, step: int) -> None:
 
         Trainer._maybe_log_save_evaluate = after_step
     elif point == "after_model_file":
-        original = PrefixTrainerBase.save_model
+        original = trainer_class.save_model
 
         def save_model(self, output_dir=None, _internal_call=False):
             original(self, output_dir, _internal_call)
             if _internal_call and step_of(self) == step:
                 kill_now()
 
-        PrefixTrainerBase.save_model = save_model
+        trainer_class.save_model = save_model
     elif point == "after_optimizer":
         original = Trainer._save_optimizer_and_scheduler
 
@@ -98,13 +99,13 @@ def inject(point: str, step: int) -> None:
         # half the file's bytes reach the disk, then the process dies
         target = "optimizer.pt" if point == "mid_optimizer_file" else "model.safetensors"
         state = {"trainer": None}
-        original_save_ckpt = PrefixTrainerBase._save_checkpoint
+        original_save_ckpt = trainer_class._save_checkpoint
 
         def save_checkpoint(self, model, trial):
             state["trainer"] = self
             return original_save_ckpt(self, model, trial)
 
-        PrefixTrainerBase._save_checkpoint = save_checkpoint
+        trainer_class._save_checkpoint = save_checkpoint
 
         def half_then_die(path):
             data = open(path, "rb").read()
@@ -194,9 +195,9 @@ def final_weights(out: str) -> dict:
     return safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
 
 
-def resume_child(workdir: str, out: str, record: str) -> int:
-    """Resume with `latest`, recording which checkpoint was chosen."""
-    original = PrefixTrainerBase._prepare_output_dir
+def record_chosen_checkpoint(record: str, trainer_class=PrefixTrainerBase) -> None:
+    """Patch `trainer_class` so that the checkpoint a resume chooses is written to the file `record`."""
+    original = trainer_class._prepare_output_dir
 
     def prepare(self, resume):
         chosen = original(self, resume)
@@ -204,7 +205,12 @@ def resume_child(workdir: str, out: str, record: str) -> int:
             json.dump({"chosen": chosen}, fh)
         return chosen
 
-    PrefixTrainerBase._prepare_output_dir = prepare
+    trainer_class._prepare_output_dir = prepare
+
+
+def resume_child(workdir: str, out: str, record: str) -> int:
+    """Resume with `latest`, recording which checkpoint was chosen."""
+    record_chosen_checkpoint(record)
     return main(command(workdir, out, resume=True))
 
 

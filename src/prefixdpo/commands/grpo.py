@@ -12,7 +12,10 @@ their other fields reach the reward functions. Without `--model` and `--dataset`
 model, prompts sharing a long instruction, the reward `vowel_share`), which prints the reward rising and the tokens
 prefix sharing saved (`make demo-grpo`). The YAML file's values are defaults that the command line overrides; every
 boolean X also takes `--X true|false` and `--no_X`;
-`--resume_from_checkpoint latest` resumes from the newest checkpoint in output_dir.
+`--resume_from_checkpoint latest` resumes from the newest complete checkpoint of this run in output_dir. Runs
+survive as `prefixdpo train` runs do: an output_dir of another run is refused (`--overwrite_output_dir true`
+replaces it), SIGTERM/SIGUSR1 save a checkpoint after the current step and exit 75, and a NaN/inf step is never
+applied (`--nonfinite stop|skip`).
 """
 
 from __future__ import annotations

@@ -48,3 +48,25 @@ def data_fingerprint(examples: Sequence[Example]) -> str:
     for ex in examples:
         h.update(repr((ex.prompt_ids, ex.response_ids, ex.pairs)).encode())
     return h.hexdigest()
+
+
+def _value_digest(value) -> str:
+    """A stable stand-in for a field JSON cannot write: the sha256 of its bytes (an image, an array), else its
+    str (never a repr holding a memory address, which would differ in every process)."""
+    if isinstance(value, (bytes, bytearray)):
+        return hashlib.sha256(bytes(value)).hexdigest()
+    if hasattr(value, "tobytes"):  # PIL images, numpy arrays
+        return f"{type(value).__name__}:{hashlib.sha256(value.tobytes()).hexdigest()}"
+    return str(value)
+
+
+def records_fingerprint(records, extra: Sequence[str] = ()) -> str:
+    """sha256 of every record (a dict of fields: a prompt dataset's rows, in order) and of `extra` (names of what
+    else defines the data, e.g. reward functions)."""
+    h = hashlib.sha256()
+    for name in extra:
+        h.update(f"{name}\n".encode())
+    for record in records:
+        h.update(json.dumps(record, sort_keys=True, default=_value_digest).encode())
+        h.update(b"\n")
+    return h.hexdigest()

@@ -1,7 +1,8 @@
 """Options of the group-RL trainers and commands.
 
 `PrefixGRPOConfig` / `PrefixRLOOConfig`: TRL 1.16's `GRPOConfig` / `RLOOConfig` (every field, with TRL's name,
-default and meaning) plus `GroupLayoutOptions`, the layout of the log-prob passes. One resolution differs from
+default and meaning) plus `GroupLayoutOptions`, the layout of the log-prob passes, and `RunSafetyOptions`
+(`nonfinite`, `nonfinite_max_consecutive`, `overwrite_output_dir`, as for DPO). One resolution differs from
 TRL's, as in `PrefixDPOConfig`: `bf16` not set means bf16 where the device computes in it natively (CUDA
 Ampere+, XPU, NPU, TPU), fp32 elsewhere; TRL turns it on everywhere, which a CPU run without `use_cpu` refuses.
 
@@ -19,7 +20,10 @@ from trl import GRPOConfig, RLOOConfig
 
 from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
-from prefixdpo.training.options import ScriptArguments, check_attention_and_pack_length, device_has_bf16
+from prefixdpo.training.nonfinite import check_nonfinite_options
+from prefixdpo.training.options import (
+    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16, join_cpu_processes,
+)
 
 
 @dataclass
@@ -46,6 +50,7 @@ class GroupLayoutOptions:
 
     def _resolve_before_trl(self) -> None:
         """TRL's defaults where they need the device (see the module doc); before TRL's own `__post_init__`."""
+        join_cpu_processes(self)  # torchrun on a CPU machine: one gloo job, not N runs writing one output_dir
         if self.bf16 is None:
             self.bf16 = not self.fp16 and device_has_bf16(self.use_cpu)
         # TRL's name; transformers calls it a deprecated alias of activation_checkpointing and warns unless set
@@ -54,11 +59,13 @@ class GroupLayoutOptions:
 
     def _check_prefix_options(self) -> None:
         check_attention_and_pack_length(self)
+        check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
 
 
 @dataclass
-class PrefixGRPOConfig(GroupLayoutOptions, GRPOConfig):
-    """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions`."""
+class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
+    """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions` + `RunSafetyOptions` (a non-finite
+    step, an output_dir of another run)."""
 
     def __post_init__(self) -> None:
         self._resolve_before_trl()
@@ -67,8 +74,8 @@ class PrefixGRPOConfig(GroupLayoutOptions, GRPOConfig):
 
 
 @dataclass
-class PrefixRLOOConfig(GroupLayoutOptions, RLOOConfig):
-    """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions`."""
+class PrefixRLOOConfig(GroupLayoutOptions, RunSafetyOptions, RLOOConfig):
+    """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions` + `RunSafetyOptions`."""
 
     def __post_init__(self) -> None:
         self._resolve_before_trl()

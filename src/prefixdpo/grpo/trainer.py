@@ -18,32 +18,53 @@ through which TRL computes *every* log-prob pass is replaced, `_get_per_token_lo
 - A pass prefix sharing cannot reproduce exactly (images and other multimodal inputs, token type ids, a
   completion mask with a gap, a sliding window shorter than the rows, a model not running prefixdpo's
   attention) runs TRL's own method instead, and the first time each reason occurs it is logged once.
+
+Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between this class and TRL's): staged
+checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
+the trajectory options), `resume_from_checkpoint="latest"`, another run's output_dir refused, SIGTERM/SIGUSR1 ->
+checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports.
+
+A resume continues the uninterrupted run exactly when its checkpoint ends a generation cycle (every checkpoint
+with TRL's defaults `steps_per_generation` = `gradient_accumulation_steps`, `num_iterations` = 1): generation
+draws from the global torch RNG, which Trainer saves in every checkpoint and restores; the prompt order is TRL's
+seeded `RepeatSampler`'s, made resumable (`EpochRepeatSampler`: TRL's draws one permutation per pass from a
+generator seeded once, so a run resumed in epoch e drew epoch 0's order); TRL's micro-step counter is saved.
+TRL's buffered completions are not: resumed inside a cycle, it generates the rest of the cycle anew (said once).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 
 import torch
 from trl import GRPOTrainer, RLOOTrainer
-from transformers.trainer_utils import get_last_checkpoint
 from trl.extras.profiling import profiling_decorator
+from trl.trainer.utils import RepeatSampler
 
-from prefixdpo.errors import UserError
+from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
-from prefixdpo.core.model_checks import (
-    base_model, prepare_model, restore_stock_attention, sliding_window_of, text_config,
-)
-from prefixdpo.core.engines import enable_requested_fsdp, whole_model_state_dict
+from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
+from prefixdpo.core.engines import enable_requested_fsdp
+from prefixdpo.training.nonfinite import check_engine_support
+from prefixdpo.training.options import RunSafetyOptions
+from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 
 logger = logging.getLogger(__name__)
 
-_OPTION_DEFAULTS = GroupLayoutOptions()  # for a plain TRL config: its options are ours at their defaults
+# for a plain TRL config: its options are ours at their defaults
+_OPTION_DEFAULTS = GroupLayoutOptions()
+_SAFETY_DEFAULTS = RunSafetyOptions()
+
+
+def _fill_safety_defaults(args) -> None:
+    """A plain TRL config lacks `RunSafetyOptions`: set them on it at their defaults (not fields of it, so they
+    stay out of its `to_dict` and of the run's fingerprint)."""
+    for name in ("nonfinite", "nonfinite_max_consecutive", "overwrite_output_dir"):
+        if not hasattr(args, name):
+            setattr(args, name, getattr(_SAFETY_DEFAULTS, name))
 
 
 class PrefixSharedLogps:
@@ -159,44 +180,82 @@ class PrefixSharedLogps:
                 self._metrics[mode]["packing/efficiency"].append(ours / slots)
         super().log(logs, start_time)
 
-    # ---- engines, resume, export ----------------------------------------------------------------
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        # exactly TRL's RepeatSampler (same order in an uninterrupted run), resumable (`EpochRepeatSampler`)
+        return EpochRepeatSampler.of(sampler) if type(sampler) is RepeatSampler else sampler
+
+    # ---- engines, survival -----------------------------------------------------------------------
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
+        _fill_safety_defaults(self.args)
+        check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """TRL's train; `resume_from_checkpoint="latest"` means the newest checkpoint in output_dir."""
-        if resume_from_checkpoint == "latest":
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(
-                self.args.output_dir) else None
-            if resume_from_checkpoint is None:
-                raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {self.args.output_dir}")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+    def _checkpoint_state(self) -> dict:
+        # TRL's micro-step counter, which places a step in its generation cycle (`_prepare_inputs`)
+        return {"micro_step": int(self._step)}
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # an export is a whole model that stock `from_pretrained` loads (stock attention named in its config)
-        with contextlib.nullcontext() if _internal_call else whole_model_state_dict(self):
-            super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            restore_stock_attention(output_dir if output_dir is not None else self.args.output_dir)
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        self._step = int(state.get("micro_step", 0))
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every:
+            # TRL keeps the completions of a generation cycle in memory only (`_buffered_inputs`): resumed inside
+            # one, it generates them anew for the rest of the cycle, so the run goes on from the checkpoint but
+            # is not the uninterrupted run's trajectory (that needs a checkpoint at a cycle boundary).
+            logger.warning("resumed inside a generation cycle (micro-step %d of every %d): TRL generates the "
+                           "completions of the rest of this cycle anew; save_steps at a multiple of the cycle "
+                           "resumes exactly", self._step, generate_every)
+
+    def _fingerprint_data(self) -> str:
+        """Every prompt record of the training set, in order, and the reward functions' names (what the run
+        learns from); an iterable dataset cannot be read twice, so only its type counts."""
+        data = self.train_dataset
+        names = [str(n) for n in getattr(self, "reward_func_names", [])]
+        if data is None or not hasattr(data, "__len__"):
+            return records_fingerprint([], [type(data).__name__, *names])
+        return records_fingerprint(data, names)
+
+
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` with `set_epoch`: epoch e's prompt order is the one TRL's sampler draws in its
+    (e+1)-th pass (the generator re-seeded, e permutations drawn and dropped), so a run resumed in epoch e
+    samples what the uninterrupted run sampled. accelerate's data loader and Trainer call `set_epoch` before
+    every epoch's pass."""
+
+    @classmethod
+    def of(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
+        return cls(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
+                   sampler.shuffle, sampler.seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None:  # unseeded: no order to reproduce
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows."""
+class PrefixGRPOTrainer(PrefixSharedLogps, SurvivingRun, GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
+    survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows."""
+class PrefixRLOOTrainer(PrefixSharedLogps, SurvivingRun, RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
+    survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._init_survival()

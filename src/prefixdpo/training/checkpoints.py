@@ -2,7 +2,7 @@
 
 A run is identified by its fingerprint: the starting model (config, parameter names and shapes, a sample of
 every tensor's values; LoRA adapters left out, they are restored from the checkpoint), the training data (every
-example's tokens and pairs) and every option that shapes the trajectory. Options a user may change on resume
+example's tokens and pairs; for GRPO/RLOO every prompt record and the reward functions' names) and every option that shapes the trajectory. Options a user may change on resume
 (how long to train, logging, saving, evaluation, reporting, data-loader workers) do not count: `VOLATILE_OPTIONS`.
 
 A checkpoint is staged in a hidden folder (`.checkpoint-N.staging/checkpoint-N`, which neither Trainer nor we
@@ -46,6 +46,9 @@ VOLATILE_OPTIONS = frozenset({
     "include_tokens_per_second", "ddp_timeout", "local_rank", "debug", "restore_callback_states_from_checkpoint",
     "use_cpu", "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "deepspeed", "fsdp",
     "fsdp_config", "accelerator_config",
+    # GRPO/RLOO: what is printed or logged of the completions, and where a vLLM server listens
+    "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
 })
 VOLATILE_PREFIXES = ("hub_", "logging_", "trackio_")
 
@@ -86,12 +89,11 @@ def trajectory_options(args) -> dict:
     return {k: v for k, v in values.items() if k not in VOLATILE_OPTIONS and not k.startswith(VOLATILE_PREFIXES)}
 
 
-def run_fingerprint(model, examples, args, method: str) -> dict:
-    """What identifies a run: {'method', 'model', 'data', 'options'} (see the module docstring)."""
-    from prefixdpo.core.fingerprints import data_fingerprint
-
-    return {"method": method, "model": model_fingerprint(model), "data": data_fingerprint(examples),
-            "options": trajectory_options(args)}
+def run_fingerprint(model, data: str, args, method: str) -> dict:
+    """What identifies a run: {'method', 'model', 'data', 'options'} (see the module docstring); `data` is the
+    trainer's digest of its training data (`core.fingerprints.data_fingerprint` of Examples, or
+    `records_fingerprint` of prompt records)."""
+    return {"method": method, "model": model_fingerprint(model), "data": data, "options": trajectory_options(args)}
 
 
 def fingerprint_difference(stored: dict | None, current: dict) -> str | None:

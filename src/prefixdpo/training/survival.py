@@ -1,0 +1,297 @@
+"""Runs that survive, for any `transformers.Trainer` subclass: `SurvivingRun`, mixed in before the Trainer class
+(prefixdpo's own trainers through `PrefixTrainerBase`; the GRPO/RLOO trainers over TRL's).
+
+- checkpoints (`checkpoints.py`): every checkpoint is staged in a hidden folder and renamed into view complete,
+  sealed with our state file (the run's fingerprint, a manifest, whether the weights are finite);
+  `resume_from_checkpoint="latest"` takes the newest complete checkpoint of this run; an output_dir holding
+  another run is refused (or cleared with `overwrite_output_dir`); every such decision is taken on rank 0 and
+  broadcast;
+- preemption: SIGTERM/SIGUSR1 end the optimizer step, save a checkpoint and raise `TrainingPreempted`;
+- non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
+  which stops or skips a step that is not finite on some rank before it is applied;
+- exports: a whole, stock-loadable model, staged and moved into place file by file, with the run file last.
+
+What a trainer provides: `args.nonfinite`, `args.nonfinite_max_consecutive`, `args.overwrite_output_dir`
+(`options.RunSafetyOptions`), a call to `_init_survival()` after `Trainer.__init__`, and `_fingerprint_data()`
+(a digest of its training data: Examples for the preference trainers, prompt rows for GRPO/RLOO). Optionally its
+own per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+
+import torch
+from transformers import TrainerCallback
+
+from prefixdpo.atomic_io import atomic_write_json, move_files_into
+from prefixdpo.core.engines import whole_model_state_dict
+from prefixdpo.core.model_checks import restore_stock_attention
+from prefixdpo.errors import TrainingPreempted, UserError
+from prefixdpo.rank_decisions import any_rank, from_rank0
+from prefixdpo.training import checkpoints
+from prefixdpo.training.callbacks import PreemptionSignals
+from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
+
+logger = logging.getLogger(__name__)
+
+
+class SurvivalCallback(TrainerCallback):
+    """Has every optimizer step checked for non-finite values before the optimizer applies it
+    (`nonfinite.NonFiniteGuard`), and turns a preemption signal into a checkpoint and a stop after the step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.signals = PreemptionSignals()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
+        self.signals.install()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # every rank stops after the same step, whichever ranks the signal reached
+        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
+            self.trainer.preempted_at = state.global_step
+            control.should_save = True  # Trainer saves (a complete checkpoint) right after this hook
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # a signal after the last step's check still means "stop, not done": `train` saves and raises
+        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
+            self.trainer.preempted_at = state.global_step
+        self.signals.restore()  # from here a SIGTERM ends the process as usual (nothing exported yet)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        # The narrowest public hook that sees a whole step before it is applied: Trainer calls it once per
+        # optimizer step, after every micro-batch's backward and the gradient sync, clipping and norm, and
+        # right before `optimizer.step()` (DeepSpeed: after its engine step, which skips non-finite steps).
+        self.trainer.nonfinite.check(self.trainer, model or self.trainer.model, state.global_step + 1,
+                                     functools.partial(checkpoints.last_good_checkpoint, args.output_dir,
+                                                       self.trainer.run_fingerprint))
+
+
+class SurvivingRun:
+    """Checkpoints, resume, preemption, non-finite steps and exports that lose nothing (module docstring)."""
+
+    def _init_survival(self) -> None:
+        """After `Trainer.__init__`: the guard, the run's (not yet known) fingerprint, the signal handling."""
+        self.nonfinite = NonFiniteGuard(self.args.nonfinite, self.args.nonfinite_max_consecutive)
+        self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
+        self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
+        drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it
+        self.survival_callback = SurvivalCallback(self)
+        self.add_callback(self.survival_callback)
+
+    def _fingerprint_data(self) -> str:
+        """A digest of the training data (what makes two runs on other data two runs)."""
+        raise NotImplementedError
+
+    def _checkpoint_state(self) -> dict:
+        """The trainer's own state saved in every checkpoint (JSON-able; none by default)."""
+        return {}
+
+    def _restore_checkpoint_state(self, state: dict) -> None:
+        """Restore what `_checkpoint_state` saved (none by default)."""
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        return self._poisoned_if_training(result, model, return_outputs)
+
+    @staticmethod
+    def _poisoned_if_training(result, model, return_outputs: bool):
+        """A training loss [] made NaN where it is not finite (`nonfinite.poisoned`); anything else as it is."""
+        if return_outputs or not model.training:
+            return result
+        # A non-finite loss makes every gradient it reaches NaN (a finite one is unchanged), so an engine
+        # that checks gradients itself before stepping (DeepSpeed, inside backward) skips this step too.
+        return poisoned(result)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.nonfinite.note_loss(loss)  # checked with the gradient norm before the optimizer step
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Trainer's norm of this step's gradients (global under DDP/FSDP2), the one it logs; Trainer calls
+        # this right before `on_pre_optimizer_step`, where the non-finite guard reads it.
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self.nonfinite.note_grad_norm(grad_norm)
+        return grad_norm
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if ("loss" in logs and not any(k.startswith("eval_") for k in logs)) or "train_runtime" in logs:
+            logs = {**logs, **self._nonfinite_logs()}
+        super().log(logs, start_time)
+
+    def _nonfinite_logs(self) -> dict[str, int]:
+        """`nonfinite_skipped`: optimizer steps skipped so far in the run (nonfinite=skip)."""
+        return {"nonfinite_skipped": self.nonfinite.skipped} if self.nonfinite.policy == "skip" else {}
+
+    # ---- train / resume ------------------------------------------------------------------------
+
+    def _decided_once(self, decide):
+        """`decide()` run on rank 0 only and its result (or its UserError) given to every rank, so that no
+        rank takes another branch because its disk differs."""
+        outcome = None
+        if self.accelerator.is_main_process:
+            try:
+                outcome = ("ok", decide())
+            except UserError as err:
+                outcome = ("error", str(err))
+        outcome = from_rank0(outcome)
+        if outcome[0] == "error":
+            raise UserError(outcome[1])
+        return outcome[1]
+
+    def _prepare_output_dir(self, resume_from_checkpoint):
+        """Refuse an output_dir holding another run (or clear it with `overwrite_output_dir`) and resolve
+        `resume_from_checkpoint` ('latest' or a path) to a checked checkpoint of this run; rank 0 decides."""
+        output_dir = self.args.output_dir
+        fingerprint = self.run_fingerprint
+
+        def decide():
+            checkpoints.remove_leftovers(output_dir)
+            other = checkpoints.other_run_in(output_dir, fingerprint)
+            notes = []
+            if other and not self.args.overwrite_output_dir:
+                raise UserError(f"output_dir {output_dir} holds another run ({other}): choose another --output_dir, "
+                                "or pass --overwrite_output_dir true to replace its checkpoints")
+            if other:
+                removed = checkpoints.clear_other_run(output_dir)
+                notes.append(f"overwrite_output_dir: removed another run's {', '.join(removed) or 'run file'}")
+            path = resume_from_checkpoint
+            if path == "latest":
+                point = checkpoints.choose_latest(output_dir, fingerprint)
+                notes += [f"skipped {skipped}: {why}" for skipped, why in point.skipped]
+                path = point.path
+            elif isinstance(path, str):
+                checkpoints.check_resume_path(path, fingerprint)
+            state = checkpoints.read_state(path) if isinstance(path, str) else None
+            return path, state or {}, notes
+
+        resume, state, notes = self._decided_once(decide)
+        for note in notes:
+            logger.warning("%s", note)
+            if self.accelerator.is_main_process:
+                print(f"prefixdpo: {note}", flush=True)
+        if isinstance(resume, str):
+            self._restore_checkpoint_state(state.get("trainer", {}))
+            self.nonfinite.load_state_dict(state.get("nonfinite", {}))
+        return resume
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Trainer.train, with `resume_from_checkpoint="latest"` (the newest complete checkpoint of this run in
+        output_dir) and preemption: a SIGTERM/SIGUSR1 ends the current optimizer step, saves a complete
+        checkpoint and raises `TrainingPreempted` (the run is not finished: nothing is exported)."""
+        self.run_fingerprint = checkpoints.run_fingerprint(self.model, self._fingerprint_data(), self.args,
+                                                           type(self).__name__)
+        resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
+        self.preempted_at = None
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
+            self.survival_callback.signals.restore()
+        if self.preempted_at is not None:
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
+            if not os.path.isdir(folder):  # the signal came after the last step's check: save now
+                self._save_checkpoint(self.model, trial=None)
+            raise TrainingPreempted(self.preempted_at, self.state.max_steps, folder)
+        return output
+
+    # ---- save ----------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, made complete-or-invisible: every rank writes into a hidden staging folder
+        (Trainer's own `_save_checkpoint`, with its output folder pointed there), then rank 0 adds our state
+        file last and renames the folder into view; old checkpoints are rotated only after that."""
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        staging = checkpoints.staging_root(run_dir, step)
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)  # a killed earlier attempt at this step
+        self.accelerator.wait_for_everyone()
+        limit = self.args.save_total_limit
+        # `_get_output_dir` is where Trainer's `_save_checkpoint` (and TRL's, for its extra files) reads the run
+        # folder from; shadowing it on the instance for this one call stages every file Trainer, TRL and the
+        # engines write. Trainer's own rotation then sees only the staged checkpoint: it is done below.
+        self._get_output_dir = lambda trial=None: staging
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+            self.args.save_total_limit = limit
+        staged = os.path.join(staging, f"checkpoint-{step}")
+        final = os.path.join(run_dir, f"checkpoint-{step}")
+        best = self.state.best_model_checkpoint
+        if best and os.path.abspath(best) == os.path.abspath(staged):  # Trainer named the staged path
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        finite = self._weights_finite()
+        self.accelerator.wait_for_everyone()  # every rank's shard is on disk
+        if self.args.should_save:
+            checkpoints.seal_checkpoint(staged, final, {
+                "step": step, "run": self.run_fingerprint, "weights_finite": finite,
+                "trainer": self._checkpoint_state(), "nonfinite": self.nonfinite.state_dict(),
+            })
+            shutil.rmtree(staging, ignore_errors=True)
+            checkpoints.rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight of the policy is finite on every rank (each rank checks what it holds)."""
+        flag = torch.ones((), device=self.args.device)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            if local.numel() and not torch.isfinite(local.detach()).all():
+                flag.zero_()
+                break
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save; an export (not a checkpoint) is always a whole, stock-loadable model, staged and
+        moved into `output_dir` file by file (each file whole), with the run's fingerprint (`RUN_FILE`) last."""
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:  # a checkpoint: stays as configured (sharded or not); staged by `_save_checkpoint`
+            super().save_model(folder, _internal_call)
+            if self.args.should_save:
+                restore_stock_attention(folder)
+            return
+        staging = os.path.join(folder, ".export.staging")
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        with whole_model_state_dict(self):
+            super().save_model(staging, _internal_call)
+        if self.args.should_save:
+            restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
+            if self.run_fingerprint is not None:  # which run wrote this model (`checkpoints.other_run_in`)
+                atomic_write_json(os.path.join(staging, checkpoints.RUN_FILE),
+                                  {"run": self.run_fingerprint, "step": self.state.global_step})
+            move_files_into(staging, folder, last=checkpoints.RUN_FILE)
+        self.accelerator.wait_for_everyone()
+
+
+def drop_transformers_jit_checkpoint(trainer) -> None:
+    """Remove transformers' `JITCheckpointCallback` (`--enable_jit_checkpoint`) and put back the SIGTERM
+    handler it installed over: prefixdpo always checkpoints on SIGTERM/SIGUSR1, after the optimizer step
+    (theirs saves mid-step, without our state, and lets the run end as if finished)."""
+    for callback in list(trainer.callback_handler.callbacks):
+        if type(callback).__name__ == "JITCheckpointCallback":
+            manager = getattr(callback, "jit_manager", None)
+            if manager is not None and manager._original_sigterm_handler is not None:
+                signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+            trainer.callback_handler.remove_callback(callback)
+
+
+__all__ = ["SurvivalCallback", "SurvivingRun", "drop_transformers_jit_checkpoint"]

@@ -1,0 +1,75 @@
+"""Fault trials for tests/test_grpo_survival.py: `prefixdpo grpo` killed (SIGKILL) or preempted (SIGTERM) at chosen
+points, then resumed with `--resume_from_checkpoint latest` (the faults of `survival_driver.py`, patched into
+`SurvivingRun`, which the GRPO/RLOO trainers share with the DPO ones).
+
+    python tests/grpo_survival_driver.py WORKDIR TRIALS_JSON RESULT_JSON
+
+WORKDIR holds `model/` (a tiny model and its tokenizer) and `prompts.jsonl`. The result file lists, per trial, how
+the faulty run ended, the complete checkpoints it left, which one the resume chose, the resume's exit code and the
+max |difference| of the final weights to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import survival_driver as faults  # noqa: E402  (sets one torch thread)
+
+from prefixdpo.cli import main  # noqa: E402
+from prefixdpo.training import checkpoints  # noqa: E402
+from prefixdpo.training.survival import SurvivingRun  # noqa: E402
+
+MAX_STEPS = 6
+SAVE_STEPS = 2
+
+
+def command(workdir: str, out: str, resume: bool) -> list[str]:
+    argv = ["grpo", "--model", os.path.join(workdir, "model"), "--dataset", os.path.join(workdir, "prompts.jsonl"),
+            "--reward_funcs", "prefixdpo.demo_grpo:vowel_share", "--num_generations", "4",
+            "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", str(MAX_STEPS),
+            "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--save_total_limit", "2",
+            "--learning_rate", "1e-2", "--lr_scheduler_type", "linear", "--logging_steps", "1", "--seed", "3",
+            "--disable_tqdm", "true", "--report_to", "none", "--output-dir", out]
+    return argv + (["--resume_from_checkpoint", "latest"] if resume else [])
+
+
+def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
+    reference_out = os.path.join(workdir, "reference")
+    assert faults.run_child(lambda: main(command(workdir, reference_out, resume=False))) == 0
+    reference = faults.final_weights(reference_out)
+    start = faults.safetensors.torch.load_file(os.path.join(workdir, "model", "model.safetensors"))
+    moved = max(float((reference[k] - start[k]).abs().max()) for k in reference)
+    results = []
+    for i, trial in enumerate(trials):
+        out = os.path.join(workdir, f"trial-{i}")
+
+        def faulty(trial=trial, out=out):
+            faults.inject(trial["point"], trial["step"], SurvivingRun)
+            return main(command(workdir, out, resume=False))
+
+        faulty_code = faults.run_child(faulty)
+        complete = [os.path.basename(p) for _, p in checkpoints.checkpoint_folders(out)
+                    if checkpoints.checkpoint_problem(p, None) is None]
+        record = os.path.join(workdir, f"chosen-{i}.json")
+
+        def resume(out=out, record=record):
+            faults.record_chosen_checkpoint(record, SurvivingRun)
+            return main(command(workdir, out, resume=True))
+
+        resume_code = faults.run_child(resume)
+        chosen = json.load(open(record))["chosen"] if os.path.isfile(record) else None
+        diff = None
+        if resume_code == 0:
+            weights = faults.final_weights(out)
+            diff = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        results.append({**trial, "faulty_code": faulty_code, "complete_after_fault": complete,
+                        "chosen": os.path.basename(chosen) if chosen else None, "resume_code": resume_code,
+                        "max_weight_diff": diff})
+    with open(result_path, "w") as fh:
+        json.dump({"reference_moved": moved, "trials": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main_driver(sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3])
