@@ -32,9 +32,9 @@ import torch
 class SegmentGroup:
     """S segments padded to Lq queries and Lk keys (segment s: query_counts[s] queries over key_counts[s] keys).
 
-    mask: [S, 1, Lq, Lk] bool, True = may attend (padded queries attend key 0 so no softmax row is empty); built
-    on first use, on `device`. additive_mask(dtype): the same as SDPA's additive float mask (0 / -inf), built once
-    per dtype: SDPA would otherwise convert the bool mask in every call (each layer, forward and backward).
+    mask: [S, 1, Lq, Lk] bool, True = may attend (padded queries attend key 0 so no softmax row is empty), built on
+    `device` when asked. additive_mask(dtype): the same as SDPA's additive float mask (0 / -inf), built once per
+    dtype and kept: SDPA would otherwise convert the bool mask in every call (each layer, forward and backward).
 
     causal: every segment has as many queries as keys (prompt + first response), so each real query's keys are
     exactly a top-left causal pattern and SDPA runs with `is_causal=True` instead of the mask: measured on CPU
@@ -53,13 +53,10 @@ class SegmentGroup:
 
     @property
     def mask(self) -> torch.Tensor:
-        if "bool" not in self._masks:
-            self._masks["bool"] = _group_mask(self.query_counts, self.key_counts, self.num_queries,
-                                              self.num_keys).to(self.device)
-        return self._masks["bool"]
+        return _group_mask(self.query_counts, self.key_counts, self.num_queries, self.num_keys).to(self.device)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._masks:
+        if dtype not in self._masks:  # kept without its bool source: at most 1 + itemsize bytes a cell at a time
             allowed = self.mask
             self._masks[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
