@@ -8,7 +8,7 @@ gradient entry; for a rotary (llama), an absolute-position (gpt2, positions = co
 position (opt) model, with and without packing, at temperature 1 and 0.7, one forward and TRL's chunked
 forwards, dense-mask SDPA and segmented attention; the MoE load-balancing loss of one and of chunked forwards
 (qwen3-moe) within 1e-6; a pass prefix sharing cannot reproduce runs TRL's own method, bit for bit, with one log
-line.
+line; the segmented-attention plan a GRPO pass builds equals dense-mask SDPA at the attention level (1e-5).
 """
 
 from __future__ import annotations
@@ -216,3 +216,42 @@ def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_p
     assert unpacked is not other and unpacked.num_lines == 3 and len(unpacked.masks) == 1
     _, chunked = run(input_ids, shorter, batch_size=1)  # the same lines, one per forward
     assert chunked is unpacked and len(unpacked.masks) == 1 + 3
+
+
+def test_segmented_attention_on_group_lines_equals_the_dense_mask():
+    """The segmented plan a GRPO pass runs on its lines (`GROUP_SEGMENT_WASTE` padding, causal groups without a mask, the others
+    with their kept additive mask) against dense-mask SDPA on the same lines: outputs and q/k/v gradients within
+    fp32 1e-5, with several padded non-causal groups in the plan (so mask and padding are exercised). ~1 s."""
+    from prefixdpo.core.attention.masks import dense_mask
+    from prefixdpo.core.attention.segments import segmented_attention
+    from prefixdpo.grpo.logps import _chunk_mask
+
+    gen = torch.Generator().manual_seed(0)
+    prompt_lengths = (5, 19, 11)  # three prompts, G = 6 completions of spread lengths each
+    prompt_tokens = torch.randint(3, 100, (3, 19), generator=gen)
+    rows = [(group, int(n)) for group in range(3) for n in torch.randint(1, 40, (6,), generator=gen)]
+    ids = torch.randint(3, 100, (len(rows), 19 + 40), generator=gen)
+    mask = torch.zeros_like(ids)
+    for r, (group, n) in enumerate(rows):
+        ids[r, :19] = prompt_tokens[group]
+        mask[r, 19 - prompt_lengths[group]:19 + n] = 1
+    lines = layout_groups(ids, mask, 40, packing=True, pack_length=10**6)
+    plan = _chunk_mask(lines, 0, lines.num_lines, "segmented").prefix_plan  # the plan a GRPO pass runs
+    padded = [g for g in plan.groups if not g.causal and min(g.key_counts) < g.num_keys]
+    assert len(padded) >= 2 and any(g.causal and g.num_segments > 1 for g in plan.groups)
+
+    B, L = lines.doc_ids.shape
+    H, Hkv, D = 4, 2, 8
+    q = torch.randn(B, H, L, D, generator=gen, requires_grad=True)
+    k = torch.randn(B, Hkv, L, D, generator=gen, requires_grad=True)
+    v = torch.randn(B, Hkv, L, D, generator=gen, requires_grad=True)
+    weights = torch.randn(B, L, H, D, generator=gen)
+    real = (lines.doc_ids >= 0)[:, :, None, None]
+    ours = segmented_attention(q, k, v, plan)
+    ours_grads = torch.autograd.grad((ours * weights * real).sum(), (q, k, v))
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_mask(lines.doc_ids, lines.branch_ids), enable_gqa=True).transpose(1, 2)
+    dense_grads = torch.autograd.grad((dense * weights * real).sum(), (q, k, v))
+    assert ((ours - dense) * real).abs().max() <= 1e-5
+    for a, b in zip(ours_grads, dense_grads):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())

@@ -190,15 +190,16 @@ def layout_groups(
                 n = completion_lengths[row]
                 if n == 0:  # fully masked (e.g. mask_truncated_completions): nothing scored, nothing attended
                     continue
-                span = torch.arange(end, end + n)
+                span = slice(end, end + n)  # slices, not index tensors: a step lays out every row in Python
                 src_row[b, span] = row
-                src_col[b, span] = P + torch.arange(n)
+                src_col[b, span] = torch.arange(P, P + n)
                 doc_ids[b, span] = doc
                 branch_ids[b, span] = branch
                 slot_row[b, span] = row
                 t_line.append(torch.full((n,), b))
                 # token 0 is predicted by the prompt's last slot, token j > 0 by this completion's token j-1
-                t_col.append(torch.cat([torch.tensor([last_prompt_slot]), span[:-1]]))
+                t_col.append(torch.arange(end - 1, end + n - 1))
+                t_col[-1][0] = last_prompt_slot
                 out_row.append(torch.full((n,), row))
                 out_col.append(torch.arange(n))
                 end += n
