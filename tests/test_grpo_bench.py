@@ -117,13 +117,15 @@ def test_modes_run_the_same_rollouts_and_agree(tmp_path):
     assert trainer.args.prefix_sharing and trainer.args.pack_length == "auto"  # the modes' settings restored
 
 
-def test_bench_grpo_command_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_bench_grpo_command_end_to_end(tmp_path, capsys, clock):
     out = tmp_path / "bench"
     argv = ["bench", "--task", "grpo", "--quick", "--length-scale", "0.05", "--rollouts", "1", "--repeats", "1",
-            "--warmup", "0", "--threads", "1", "--no-progress", "--out", str(out)]
+            "--warmup", "0", "--threads", "1", "--no-progress", "--out", str(out), "--clock", clock]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "--quick: scaled down" in printed and "generation's share of a whole step" in printed
+    assert f"timed by {clock} clock" in printed
     data = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text() in printed
     assert [p["name"] for p in data["profiles"]] == list(PROFILES)

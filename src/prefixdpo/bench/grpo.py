@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -374,13 +375,15 @@ def _sync(device: torch.device) -> None:
 
 
 def run_profile(profile: GroupProfile, rollouts: list[Rollout], step: GroupTrainingStep, shape: ModelShape, *,
-                device: str, repeats: int, warmup: int, progress=None) -> GroupProfileResult:
+                device: str, repeats: int, warmup: int, progress=None,
+                clock: Callable[[], float] = time.perf_counter) -> GroupProfileResult:
     """Every mode on every rollout, interleaved step by step (A B C, A B C, ...), `warmup` uncounted passes then
     `repeats` counted ones; speedups are per-pass time ratios (both modes saw the same moment of the machine).
 
     Peak memory is measured in the first pass only (the warm-up one where there is one): on CPU the meter returns
     freed heap to the system before each step (`PeakMemory`), which makes the next step fault its pages in again,
-    a cost a training loop does not pay; the counted passes run without it."""
+    a cost a training loop does not pay; the counted passes run without it. `clock`: what a step's seconds are read
+    from (`bench.clock`: wall or this process's CPU time)."""
     from trl.kernels.chunked_logprob import _use_triton
 
     if repeats < 1 or warmup < 0:
@@ -397,10 +400,10 @@ def run_profile(profile: GroupProfile, rollouts: list[Rollout], step: GroupTrain
             for mode in MODES:
                 with meter if r == 0 else contextlib.nullcontext():
                     _sync(dev)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     entropy = step.run(rollout, mode)
                     _sync(dev)
-                    dt = time.perf_counter() - t0
+                    dt = clock() - t0
                 if r >= warmup:
                     seconds[mode][r - warmup] += dt
                 if r == 0:
@@ -458,7 +461,8 @@ class GenerationTiming:
         return (self.generate_s + self.train_s["trl"]) / (self.generate_s + self.train_s["shared-packed"])
 
 
-def time_generation(trainer, rollout: Rollout, *, device: str, repeats: int = 1) -> float:
+def time_generation(trainer, rollout: Rollout, *, device: str, repeats: int = 1,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of TRL's transformers generate (its own GenerationConfig: sampling, KV cache) of the rollout's
     prompts (N left-padded rows) for exactly K new tokens: every rollout has a completion cut at the limit, and a
     batch generates until its longest completion ends. Median of `repeats` after one short warm-up call."""
@@ -478,10 +482,10 @@ def time_generation(trainer, rollout: Rollout, *, device: str, repeats: int = 1)
         model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=warm)
         for _ in range(repeats):
             _sync(dev)
-            t0 = time.perf_counter()
+            t0 = clock()
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
             _sync(dev)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         model.train(was_training)
     if out.shape[1] != prompt_ids.shape[1] + rollout.logits_to_keep:
         raise RuntimeError(f"generate made {out.shape[1] - prompt_ids.shape[1]} tokens, not {rollout.logits_to_keep}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from prefixdpo.bench.clock import step_clock
 from prefixdpo.bench.grpo import (
     MODES,
     PROFILES,
@@ -118,6 +119,7 @@ def run_group_bench(args, *, threads: int) -> int:
     if cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     settings = settings_of(args, cuda)
+    clock = step_clock(args.clock, args.device)
     names = profiles_of(args)
     backend = backend_of(args.attention, args.device)
     torch.set_num_threads(threads)
@@ -141,9 +143,10 @@ def run_group_bench(args, *, threads: int) -> int:
         for profile, name in workloads:
             bar.set_description(name)
             results.append(run_profile(profile, rollouts[name], step, shape, device=args.device,
-                                       repeats=settings["repeats"], warmup=settings["warmup"], progress=bar))
+                                       repeats=settings["repeats"], warmup=settings["warmup"], progress=bar,
+                                       clock=clock))
     first = results[0]
-    generate_s = time_generation(trainer, rollouts[first.name][0], device=args.device)
+    generate_s = time_generation(trainer, rollouts[first.name][0], device=args.device, clock=clock)
     timing = GenerationTiming(first.name, rollouts[first.name][0].num_rows, rollouts[first.name][0].logits_to_keep,
                               generate_s, {m: first.modes[m].seconds_per_step for m in MODES})
     meta = {
@@ -162,7 +165,9 @@ def run_group_bench(args, *, threads: int) -> int:
                      + "scaled down to fit the machine; the per-profile table gives the lengths run); shared-packed: "
                      + ("each step's groups in one line" if line_per_step else "the trainer's pack_length 'auto'")),
         "memory": first.notes[0].split(": ", 1)[1],
-        "timing": f"{time.perf_counter() - start:.0f} s; torch {torch.__version__}",
+        "timing": (f"{time.perf_counter() - start:.0f} s; steps and generation timed by {args.clock} clock "
+                   f"({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); "
+                   f"torch {torch.__version__}"),
     }
     out = Path(args.out)
     md = markdown_report(results, timing, meta)
