@@ -120,15 +120,3 @@ def compute_response_logps(
 
     return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
 
-
-def zero_weight_loss(model, batch: Batch, attention_mask) -> torch.Tensor:
-    """0 x a function of every parameter: an empty (rank-balancing) micro-batch still runs the model, so DDP's
-    gradient sync and FSDP's collectives line up on every rank."""
-    def body(inner_forward, **inputs) -> dict:
-        hidden, model_last_logits = final_hidden_states(model, inner_forward, **inputs)
-        # the model's own logits are a function of every parameter (and, under FSDP2, must reach the loss);
-        # a model that returns none gets our head on its last position
-        last = model_last_logits if model_last_logits is not None else lm_head_fn(unwrap(model))(hidden[:, -1])
-        return {"loss": last.sum() * 0.0}
-
-    return through_engine(model, body, **_batch_inputs(batch, attention_mask))["loss"]

@@ -268,6 +268,27 @@ class AdapterReference(ModelPassReference):
         return policy
 
 
+class IdleReference(Reference):
+    """`reference` as a rank-balancing empty micro-batch asks it, on its stand-in line (`loader.stand_in_batch`): each
+    question runs the pass the real strategy would run (`idle_pass`: the model pass of a `ModelPassReference`,
+    nothing for a table or no reference) and answers zeros, which weigh nothing. So the step's code runs on an
+    empty micro-batch exactly as on a real one (the pre-pass's `sums` first, then the training pass without
+    the reference, say), and every rank joins the same collectives in the same order."""
+
+    def __init__(self, reference: Reference):
+        self.reference = reference
+        self.name = f"idle {reference.name}"
+
+    def response_logps(self, policy, batch, mask) -> None:
+        self.reference.idle_pass(policy, batch, mask)
+        return None
+
+    def sums(self, policy, batch, mask, item=None) -> torch.Tensor:
+        """[R] zeros on `batch`'s device (never None: a step that has the reference's sums runs no second pass)."""
+        self.reference.idle_pass(policy, batch, mask)
+        return torch.zeros(batch.num_responses, device=batch.input_ids.device)
+
+
 class PrecomputedReference(Reference):
     """Tables computed once per dataset (by content) from `source`, cached on disk under `cache_dir`.
 

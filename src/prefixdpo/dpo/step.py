@@ -121,3 +121,18 @@ def pair_losses(policy, batch: Batch, mask, *, reference, objective: Objective, 
     losses, _ = combined_loss(list(objective.loss_types), list(objective.loss_weights), pairs, objective.params,
                               context=context)
     return PairStep(losses=losses, pairs=pairs, aux_loss=aux_loss)
+
+
+def zero_weight_loss(policy, batch: Batch, mask, *, reference, objective: Objective, chunk_size: int = 1024,
+                     ref_logps=None) -> torch.Tensor:
+    """A scalar 0 with a gradient path to every parameter a pass reaches: what a rank-balancing empty micro-batch
+    trains (or evaluates) while other ranks run `pair_losses`. It runs their passes in their order (the policy's,
+    then the reference's unless `ref_logps` is given), on a line with responses and no pair (`loader.stand_in_batch`),
+    asking `reference` (a `reference.IdleReference`, whose answers are zeros), so every engine's collectives line up
+    on every rank: DDP's buffer broadcast at each call of its wrapper, FSDP2's and ZeRO-3's per-module gathers.
+    """
+    pairs, aux_loss = _pair_logps(policy, batch, mask, reference=reference, chunk_size=chunk_size, item=None,
+                                  ref_logps=ref_logps, params=objective.params,
+                                  router_aux=objective.router_aux_loss_coef != 0.0)
+    loss = (pairs.policy_chosen_logps.sum() + pairs.policy_rejected_logps.sum()) * 0.0
+    return loss if aux_loss is None else loss + aux_loss * 0.0

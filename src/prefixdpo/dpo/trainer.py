@@ -25,14 +25,13 @@ from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
 from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
-from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.dpo.metrics import DPOMetricSums
 from prefixdpo.training.model_setup import prepare_policy
-from prefixdpo.dpo.reference import build_reference
+from prefixdpo.dpo.reference import IdleReference, build_reference
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.loader import MicroBatch, stand_in_batch
 from prefixdpo.dpo.objective import PairLogps
-from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
+from prefixdpo.dpo.step import Objective, pair_logps, pair_losses, zero_weight_loss
 from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.data.inputs import as_examples
@@ -49,7 +48,9 @@ class StepInputs:
     context:   its slice of the step context (losses coupled across the step's pairs), or None; in evaluation,
                a function of the batch's PairLogps (`StepCoupling.for_evaluation`)
     batch:     `micro.batch` on the device, and mask: its attention mask for the run's backend: built once (by
-               the pre-pass, or by `on_device` before the training pass) for every pass over the micro-batch
+               the pre-pass, or by `on_device` before the training pass) for every pass over the micro-batch.
+               A rank-balancing empty micro-batch (`idle`: no pair) gets a stand-in line instead
+               (`loader.stand_in_batch`), whose passes it runs at zero weight
     ref_logps: [R] the reference's log-prob sums the pre-pass read (run, or a precomputed table's rows), or None
                (no pre-pass: the training pass asks the reference)
     """
@@ -60,11 +61,17 @@ class StepInputs:
     mask: Any = None
     ref_logps: torch.Tensor | None = None
 
-    def on_device(self, device, backend: str) -> "StepInputs":
-        """This micro-batch with its Batch on `device` and its attention mask (kept if already built)."""
+    @property
+    def idle(self) -> bool:
+        """A rank-balancing empty micro-batch: it runs a real one's passes at zero weight."""
+        return self.micro.batch.num_pairs == 0
+
+    def on_device(self, device, backend: str, pad_token_id: int) -> "StepInputs":
+        """This micro-batch with its Batch (an idle one's stand-in line) on `device` and its attention mask (kept if
+        already built)."""
         if self.batch is not None:
             return self
-        batch = self.micro.batch.to(device)
+        batch = (stand_in_batch(pad_token_id) if self.idle else self.micro.batch).to(device)
         return replace(self, batch=batch, mask=batch_attention_mask(batch, backend))
 
 
@@ -102,6 +109,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
                                    resolve_router_aux_loss_coef(self.model, args.router_aux_loss_coef))
         self.coupling = StepCoupling(self.objective, self.accelerator)
+        self._idle_reference = IdleReference(self.reference)  # what an idle micro-batch asks (`StepInputs.idle`)
         self.reference.precompute_tables(self._named_datasets(), self.model)  # before training, as TRL does
 
     def _as_examples(self, data, tokenizer, name: str):
@@ -141,10 +149,9 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         if not self.coupling.enabled:
             return steps
         pairs = [None] * len(steps)
-        if self.coupling.needs_pairs:
+        if self.coupling.needs_pairs:  # an idle micro-batch too: its passes join the other ranks' collectives
             for i, micro in enumerate(micro_batches):
-                if micro.batch.num_pairs:
-                    steps[i], pairs[i] = self._prepass(micro)
+                steps[i], pairs[i] = self._prepass(micro)
         contexts = self.coupling.contexts(micro_batches, pairs)
         return [replace(step, context=context) for step, context in zip(steps, contexts)]
 
@@ -152,28 +159,40 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         """No-grad per-pair log-probs of one micro-batch, for the step context. Its batch on the device, its mask
         and the reference's sums are kept beside the micro-batch, so the training pass builds no second mask and
         runs no second reference pass (LD-DPO needs the reference's tokens: it reruns the reference)."""
-        step = StepInputs(micro).on_device(self.args.device, self.backend)
+        step = self._on_device(StepInputs(micro))
+        reference = self._reference_of(step)
         with torch.no_grad():
             if self.objective.params.ld_alpha is None:
-                step = replace(step, ref_logps=self.reference.sums(self.model, step.batch, step.mask, micro))
-            pairs = pair_logps(self.model, step.batch, step.mask, reference=self.reference,
+                step = replace(step, ref_logps=reference.sums(self.model, step.batch, step.mask, micro))
+            pairs = pair_logps(self.model, step.batch, step.mask, reference=reference,
                                chunk_size=self.args.logprob_chunk_size, item=micro, ref_logps=step.ref_logps,
                                params=self.objective.params)
         return step, pairs
 
+    def _on_device(self, step: StepInputs) -> StepInputs:
+        return step.on_device(self.args.device, self.backend, self.pad_token_id)
+
+    def _reference_of(self, step: StepInputs):
+        """The reference `step`'s passes ask: the run's, or, for an idle micro-batch, the run's at zero weight."""
+        return self._idle_reference if step.idle else self.reference
+
     # ---- loss -------------------------------------------------------------------------------
 
     def _pair_step(self, model, inputs: StepInputs | MicroBatch, split: str):
-        """(the micro-batch's PairStep, None for a zero-weight batch; its StepInputs on the device); adds its metric
-        sums to `split`. Training passes StepInputs (`get_batch_samples`), evaluation the loader's MicroBatch."""
+        """(the micro-batch's PairStep, None), or, for a rank-balancing empty micro-batch, (None, its zero-weight
+        loss), for which it ran a real micro-batch's passes (`step.zero_weight_loss`); adds its metric sums to
+        `split`. Training passes StepInputs (`get_batch_samples`), evaluation the loader's MicroBatch (an empty
+        one runs the passes too, under evaluation's no_grad: every rank joins the same collectives)."""
         if split == "train":
             step = inputs
         else:
             step = StepInputs(inputs, context=self.coupling.for_evaluation if self.coupling.enabled else None)
-        step = step.on_device(self.args.device, self.backend)
+        step = self._on_device(step)
         batch = step.batch
-        if batch.num_pairs == 0:
-            return None, step
+        if step.idle:
+            return None, zero_weight_loss(model, batch, step.mask, reference=self._idle_reference,
+                                          objective=self.objective, chunk_size=self.args.logprob_chunk_size,
+                                          ref_logps=step.ref_logps)
         result = pair_losses(model, batch, step.mask, reference=self.reference, objective=self.objective,
                              chunk_size=self.args.logprob_chunk_size, item=step.micro, ref_logps=step.ref_logps,
                              context=step.context)
@@ -183,12 +202,12 @@ class PrefixDPOTrainer(PrefixTrainerBase):
             loss_sum += self.objective.router_aux_loss_coef * float(result.aux_loss.detach()) * batch.num_pairs
         stats.update(pairs=batch.num_pairs, loss_sum=loss_sum, **step.micro.token_counts())
         self._metrics[split].add(stats)
-        return result, step
+        return result, None
 
     def _compute_loss(self, model, inputs, return_outputs):
-        result, step = self._pair_step(model, inputs, "train")
+        result, idle_loss = self._pair_step(model, inputs, "train")
         if result is None:  # a rank-balancing empty slot
-            loss = self._idle_loss(model)
+            loss = idle_loss
         else:
             # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
             # ranks of (pair losses / all pairs of the step)
@@ -198,21 +217,6 @@ class PrefixDPOTrainer(PrefixTrainerBase):
                 coef = self.objective.router_aux_loss_coef
                 loss = loss + coef * result.aux_loss / self.current_gradient_accumulation_steps
         return (loss, {}) if return_outputs else loss
-
-    def _idle_loss(self, model) -> torch.Tensor:
-        """A rank-balancing empty slot's loss: 0 x the passes a micro-batch with pairs runs, in its order (the
-        policy's, its head on response rows included, then the reference's), on a stand-in line
-        (`loader.stand_in_batch`), so every engine's collectives line up with the ranks that train pairs: DDP's
-        buffer broadcast at each call of the wrapped policy (the adapter-off reference too), FSDP2's and ZeRO-3's
-        per-module gathers, a sharded reference model's."""
-        batch = stand_in_batch(self.pad_token_id).to(self.args.device)
-        mask = batch_attention_mask(batch, self.backend)
-        logps = compute_response_logps(model, batch, mask, chunk_size=self.args.logprob_chunk_size,
-                                       wpo=self.objective.params.use_weighting,
-                                       router_aux=self.objective.router_aux_loss_coef != 0.0)
-        self.reference.idle_pass(model, batch, mask)
-        loss = logps.sums.sum() * 0.0
-        return loss if logps.aux_loss is None else loss + logps.aux_loss * 0.0
 
     # ---- resume -----------------------------------------------------------------------------
 
