@@ -33,6 +33,18 @@ TINY = dict(
 )
 
 
+@pytest.fixture
+def no_progress_bars():
+    """transformers' progress bars off for a test (a command's stderr then holds exactly what it writes)."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    yield
+    if was_on:
+        logging.enable_progress_bar()
+
+
 def tiny_model(arch: str, **overrides):
     """A tiny fp32 model of the named architecture (llama, qwen2 (GQA), qwen3, mistral, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -39,15 +39,8 @@ TRIALS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _no_progress_bars():
-    from transformers.utils import logging
-
-    was_on = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    yield
-    if was_on:
-        logging.enable_progress_bar()
+# stderr holds exactly what a command writes: transformers' loading bars off (conftest.no_progress_bars)
+pytestmark = pytest.mark.usefixtures("no_progress_bars")
 
 
 @pytest.fixture(scope="module")

@@ -43,16 +43,8 @@ def _tiny_base(folder: Path) -> None:
                                 vocab_size=300))
 
 
-@pytest.fixture(autouse=True)
-def _no_progress_bars():
-    """stderr holds exactly what the command writes (transformers' loading bars off)."""
-    from transformers.utils import logging
-
-    was_on = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    yield
-    if was_on:
-        logging.enable_progress_bar()
+# stderr holds exactly what a command writes: transformers' loading bars off (conftest.no_progress_bars)
+pytestmark = pytest.mark.usefixtures("no_progress_bars")
 
 
 @pytest.fixture(scope="module")
