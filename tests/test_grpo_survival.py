@@ -27,14 +27,12 @@ from prefixdpo.training.nonfinite import NonFiniteLossError
 
 HERE = Path(__file__).resolve().parent
 
-# (fault point, step) -> the newest complete checkpoint when it strikes (6 steps, save_steps 2, limit 2)
+# (fault point, step) -> the newest complete checkpoint when it strikes (6 steps, save_steps 2, limit 2). GRPO runs the
+# same `SurvivingRun` as DPO, whose test_survival.py kills at every point; here one torn file, one missing state file
+# and a preemption show the GRPO trainer goes through it.
 TRIALS = [
-    {"point": "after_model_file", "step": 4, "expect": 2},
     {"point": "mid_optimizer_file", "step": 4, "expect": 2},
     {"point": "before_our_state", "step": 6, "expect": 4},
-    {"point": "before_rename", "step": 4, "expect": 2},
-    {"point": "mid_step", "step": 5, "expect": 4},
-    {"point": "mid_export", "step": 6, "expect": 6},
     {"point": "sigterm", "step": 3, "expect": 3},  # preempted: a checkpoint at that step, exit 75
 ]
 
@@ -113,43 +111,6 @@ def test_output_dir_of_another_run_is_refused_in_one_line(work, capsys):
     assert "holds another run" in line and "training data" in line
     assert main(_grpo(work, out, *steps, "--epsilon", "0.3", "--overwrite_output_dir", "true")) == 0
     assert checkpoints.read_state(str(out / "checkpoint-2"))["run"]["options"]["epsilon"] == 0.3
-
-
-def _launch(work: Path, out: Path, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "prefixdpo.cli", *_grpo(work, out, "--max_steps", "12", "--save_strategy",
-                                                          "steps", "--save_steps", "100", *extra)]
-    return subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def test_sigterm_to_the_command_saves_exits_non_zero_and_resumes_exactly(work):
-    """(~40 s) SIGTERM to a `prefixdpo grpo` process after its 4th logged step: it finishes that step, saves a
-    complete checkpoint, prints the preemption line, exports nothing and exits 75; the resume finishes on the
-    weights of an uninterrupted run."""
-    reference = _launch(work, work / "term-reference")
-    out, err = reference.communicate(timeout=600)
-    assert reference.returncode == 0, err[-3000:]
-    run = _launch(work, work / "term")
-    seen = 0
-    for line in run.stdout:
-        seen += line.startswith("step ")
-        if seen == 4:
-            run.send_signal(signal.SIGTERM)
-            break
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 75, err[-3000:]
-    lines = [x for x in err.splitlines() if x.startswith("prefixdpo grpo: preempted at step ")]
-    assert len(lines) == 1, err[-3000:]
-    step = int(lines[0].split("preempted at step ")[1].split()[0])
-    assert 4 <= step < 12 and "resume with --resume_from_checkpoint latest" in lines[0]
-    folder = work / "term" / f"checkpoint-{step}"
-    assert checkpoints.checkpoint_problem(str(folder), None) is None  # complete, with our state
-    assert "Model saved" not in out and not (work / "term" / "model.safetensors").exists()
-    resumed = _launch(work, work / "term", "--resume_from_checkpoint", "latest")
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-3000:]
-    expected = load_file(str(work / "term-reference" / "model.safetensors"))
-    got = load_file(str(work / "term" / "model.safetensors"))
-    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-6
 
 
 def test_preempted_two_rank_torchrun_saves_exits_non_zero_and_resumes_exactly(work):
