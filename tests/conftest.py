@@ -45,6 +45,39 @@ def no_progress_bars():
         logging.enable_progress_bar()
 
 
+def preempt_after(process, line_prefix: str, lines: int) -> tuple[str, str, int]:
+    """SIGTERM `process` (a run with text stdout/stderr pipes) once its stdout has shown `lines` lines starting with
+    `line_prefix`; -> (stdout, stderr, the step its error says it was preempted at). It must exit non-zero."""
+    import signal
+
+    seen = 0
+    for line in process.stdout:
+        seen += line.startswith(line_prefix)
+        if seen == lines:
+            process.send_signal(signal.SIGTERM)
+            break
+    out, err = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert "preempted at step" in err, err[-3000:]
+    return out, err, int(err.split("preempted at step ")[1].split()[0])
+
+
+def finish_ranks(rank: int, out_dir: str, results) -> None:
+    """The end of a script run by `run_processes`: rank 0 writes `results` to out_dir/result.json, then every rank
+    leaves the process group together (gloo threads of a rank that left early abort the others)."""
+    import json
+    import os
+
+    import torch
+
+    if rank == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as fh:
+            json.dump(results, fh)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def tiny_model(arch: str, **overrides):
     """A tiny fp32 model of the named architecture (llama, qwen2 (GQA), qwen3, mistral, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM

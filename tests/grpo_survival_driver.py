@@ -18,7 +18,6 @@ import sys
 import survival_driver as faults  # noqa: E402  (sets one torch thread)
 
 from prefixdpo.cli import main  # noqa: E402
-from prefixdpo.training import checkpoints  # noqa: E402
 from prefixdpo.training.survival import SurvivingRun  # noqa: E402
 
 MAX_STEPS = 6
@@ -36,39 +35,8 @@ def command(workdir: str, out: str, resume: bool) -> list[str]:
 
 
 def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
-    reference_out = os.path.join(workdir, "reference")
-    assert faults.run_child(lambda: main(command(workdir, reference_out, resume=False))) == 0
-    reference = faults.final_weights(reference_out)
-    start = faults.safetensors.torch.load_file(os.path.join(workdir, "model", "model.safetensors"))
-    moved = max(float((reference[k] - start[k]).abs().max()) for k in reference)
-    results = []
-    for i, trial in enumerate(trials):
-        out = os.path.join(workdir, f"trial-{i}")
-
-        def faulty(trial=trial, out=out):
-            faults.inject(trial["point"], trial["step"], SurvivingRun)
-            return main(command(workdir, out, resume=False))
-
-        faulty_code = faults.run_child(faulty)
-        complete = [os.path.basename(p) for _, p in checkpoints.checkpoint_folders(out)
-                    if checkpoints.checkpoint_problem(p, None) is None]
-        record = os.path.join(workdir, f"chosen-{i}.json")
-
-        def resume(out=out, record=record):
-            faults.record_chosen_checkpoint(record, SurvivingRun)
-            return main(command(workdir, out, resume=True))
-
-        resume_code = faults.run_child(resume)
-        chosen = json.load(open(record))["chosen"] if os.path.isfile(record) else None
-        diff = None
-        if resume_code == 0:
-            weights = faults.final_weights(out)
-            diff = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
-        results.append({**trial, "faulty_code": faulty_code, "complete_after_fault": complete,
-                        "chosen": os.path.basename(chosen) if chosen else None, "resume_code": resume_code,
-                        "max_weight_diff": diff})
-    with open(result_path, "w") as fh:
-        json.dump({"reference_moved": moved, "trials": results}, fh, indent=1)
+    faults.run_trials(workdir, trials, result_path, command, os.path.join(workdir, "model", "model.safetensors"),
+                      SurvivingRun)
 
 
 if __name__ == "__main__":

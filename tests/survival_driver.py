@@ -208,31 +208,34 @@ def record_chosen_checkpoint(record: str, trainer_class=PrefixTrainerBase) -> No
     trainer_class._prepare_output_dir = prepare
 
 
-def resume_child(workdir: str, out: str, record: str) -> int:
-    """Resume with `latest`, recording which checkpoint was chosen."""
-    record_chosen_checkpoint(record)
-    return main(command(workdir, out, resume=True))
-
-
-def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
+def run_trials(workdir: str, trials: list[dict], result_path: str, command, start_weights: str,
+               trainer_class=PrefixTrainerBase) -> None:
+    """An uninterrupted run of `command(workdir, out, resume)`, then per trial a run with the fault injected into
+    `trainer_class` and its resume with `latest`; writes what each ended with to `result_path` (module docstring).
+    start_weights: the starting model's safetensors file (how far the uninterrupted run moved the weights)."""
     reference_out = os.path.join(workdir, "reference")
     assert run_child(lambda: main(command(workdir, reference_out, resume=False))) == 0
     reference = final_weights(reference_out)
-    start = safetensors.torch.load_file(os.path.join(workdir, "base", "model", "model.safetensors"))
+    start = safetensors.torch.load_file(start_weights)
     moved = max(float((reference[k] - start[k]).abs().max()) for k in reference)
     results = []
     for i, trial in enumerate(trials):
         out = os.path.join(workdir, f"trial-{i}")
 
         def faulty(trial=trial, out=out):
-            inject(trial["point"], trial["step"])
+            inject(trial["point"], trial["step"], trainer_class)
             return main(command(workdir, out, resume=False))
 
         faulty_code = run_child(faulty)
         complete = [os.path.basename(p) for _, p in checkpoints.checkpoint_folders(out)
                     if checkpoints.checkpoint_problem(p, None) is None]
         record = os.path.join(workdir, f"chosen-{i}.json")
-        resume_code = run_child(lambda out=out, record=record: resume_child(workdir, out, record))
+
+        def resume(out=out, record=record):  # records which checkpoint `latest` chose
+            record_chosen_checkpoint(record, trainer_class)
+            return main(command(workdir, out, resume=True))
+
+        resume_code = run_child(resume)
         chosen = json.load(open(record))["chosen"] if os.path.isfile(record) else None
         diff = None
         if resume_code == 0:
@@ -243,6 +246,10 @@ def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
                         "max_weight_diff": diff})
     with open(result_path, "w") as fh:
         json.dump({"reference_moved": moved, "trials": results}, fh, indent=1)
+
+
+def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
+    run_trials(workdir, trials, result_path, command, os.path.join(workdir, "base", "model", "model.safetensors"))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples, tiny_model
+    from conftest import make_examples, tiny_model, finish_ranks
 
     out_dir, engine = sys.argv[1], sys.argv[2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -94,12 +94,7 @@ SCRIPT = textwrap.dedent(
             "policy_local_numel": sum(p.numel() for p in policy.parameters()),
             "ref_partitioned": zero3_partition_counts(unwrap(t.ref_model)),
         }}
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: gloo threads of a rank that left early abort the other
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out_dir, results)
     """
 )
 

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples, tiny_model
+    from conftest import finish_ranks, make_examples, tiny_model
     from transformers import TrainerCallback
     from prefixdpo import PrefixDPOConfig
     from prefixdpo.core.engines import local_numel, sharded_parameter_count
@@ -128,12 +128,7 @@ SCRIPT = textwrap.dedent(
             results[name] = run(name, per_device_train_batch_size=4, **kw)[1]
         results["packed-accumulated"] = run("packed-accumulated", per_device_train_batch_size=2,
                                             gradient_accumulation_steps=2, **packed)[1]
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out_dir, results)
     """
 )
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import preempt_after
 from transformers import TrainerCallback
 
 from prefixdpo.cli import main
@@ -127,17 +129,7 @@ def test_preempted_two_rank_torchrun_saves_exits_non_zero_and_resumes_exactly(wo
     reference = launch(work / "ddp-reference")
     out, err = reference.communicate(timeout=600)
     assert reference.returncode == 0, err[-3000:]
-    run = launch(work / "ddp-preempted")
-    seen = 0
-    for line in run.stdout:
-        seen += line.startswith("step ")
-        if seen == 3:
-            run.send_signal(signal.SIGTERM)
-            break
-    out, err = run.communicate(timeout=300)
-    assert run.returncode != 0
-    assert "preempted at step" in err, err[-3000:]
-    step = int(err.split("preempted at step ")[1].split()[0])
+    out, err, step = preempt_after(launch(work / "ddp-preempted"), "step ", 3)
     assert 3 <= step < 8
     folder = work / "ddp-preempted" / f"checkpoint-{step}"
     assert checkpoints.checkpoint_problem(str(folder), None) is None

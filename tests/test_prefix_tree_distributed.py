@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import tiny_model
+    from conftest import tiny_model, finish_ranks
     from test_prefix_tree_training import k_response_records
     from test_tree import dialogue
     import random
@@ -110,12 +110,7 @@ SCRIPT = textwrap.dedent(
     else:  # zero3
         cases = {{f"zero3-{{k}}": dict(cases[k], deepspeed=ZERO3) for k in ("default-ref", "ref")}}
     results = {{name: run(name, **kw) for name, kw in cases.items()}}
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: gloo threads of a rank that left early abort the other
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out_dir, results)
     """
 )
 

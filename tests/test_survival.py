@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import preempt_after
 import torch
 
 from prefixdpo.training import checkpoints
@@ -148,17 +150,7 @@ def test_preempted_two_rank_torchrun_saves_exits_nonzero_and_resumes_exactly(bas
     assert reference.returncode == 0, err[-3000:]
     assert "Engine: MULTI_CPU over 2 processes" in out
     stop_after = random.Random().randint(3, 25)
-    run = launch(base / "ddp-preempted")
-    seen = 0
-    for line in run.stdout:
-        seen += line.startswith("{'loss'")
-        if seen == stop_after:
-            run.send_signal(signal.SIGTERM)
-            break
-    out, err = run.communicate(timeout=300)
-    assert run.returncode != 0
-    assert "preempted at step" in err, err[-3000:]
-    step = int(err.split("preempted at step ")[1].split()[0])
+    out, err, step = preempt_after(launch(base / "ddp-preempted"), "{'loss'", stop_after)
     assert stop_after <= step < 40
     folder = base / "ddp-preempted" / f"checkpoint-{step}"
     assert checkpoints.checkpoint_problem(str(folder), None) is None  # complete, with our state

@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples
+    from conftest import make_examples, finish_ranks
     from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
     from prefixdpo.core.model_checks import unwrap
 
@@ -100,12 +100,7 @@ SCRIPT = textwrap.dedent(
               "sft-fsdp": dict(loss_type=["sigmoid", "sft"], engine="fsdp"),
               "eval-fsdp": dict(loss_type=["sigmoid"], engine="fsdp")}}
     results = {{name: reward(name) if name == "reward-fsdp" else run(name, **CASES[name]) for name in names}}
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: gloo threads of a rank that left early abort the other
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out_dir, results)
     """
 )
 

@@ -247,8 +247,8 @@ def segmented_attention(
         k = k.view(S, Lk, Hkv, D).transpose(1, 2)
         v = v.view(S, Lk, Hkv, Dv).transpose(1, 2)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if g.causal else g.additive_mask(q.dtype), dropout_p=dropout, is_causal=g.causal, scale=scaling,
-            enable_gqa=Hkv != H,
+            q, k, v, attn_mask=None if g.causal else g.additive_mask(q.dtype), dropout_p=dropout, is_causal=g.causal,
+            scale=scaling, enable_gqa=Hkv != H,
         )  # [S, H, Lq, Dv]
         outs.append(o.transpose(1, 2).reshape(S * Lq, H, Dv))
     outs.append(q_all.new_zeros(1, H, Dv))  # the row padding tokens read
