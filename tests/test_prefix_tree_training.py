@@ -3,15 +3,16 @@ models: tests/test_reward_trainer.py).
 
 What it must keep: every example in exactly one line, each line's trie within pack_length, the records of one
 subtree side by side (a subtree too big for a line split, each part repeating the shared prefix, counted); every
-pair's loss and log-prob sums from the loader's tree lines equal to its own prefix-shared row's (fp32, 1e-6 x the
-log-prob scale), on the dense SDPA mask and on the segment plan. One optimizer step on a 3-turn dialogue file (a
-pair at each turn, each later turn's prompt holding the earlier turns, all behind one system prompt) and on an
-SHP-like file (several comment pairs per post, one record each) with tries equals standard DPO (every
-`[prompt][response]` its own row) over the same pairs in one step: loss 1e-5 relative, gradients 1e-5 relative to
-their largest entry. The MoE load-balancing loss on tree lines (each node weighted by the TRL rows through it)
-equals TRL's own on its padded rows (1e-5 relative), and one DPO step with it on tries equals one without tries
-(loss 1e-5 relative, gradients 1e-5 of their largest entry). Tries without packing (or without prefix sharing) are
-refused in one line. About 40 s on 2 busy CPU cores.
+pair's loss and log-prob sums from the loader's tree lines equal to its own prefix-shared row's (8 eps x the
+log-prob scale: fp32 1e-6), on the dense SDPA mask and on the segment plan (and in float64). One optimizer step on
+a 3-turn dialogue file (a pair at each turn, each later turn's prompt holding the earlier turns, all behind one
+system prompt) and on an SHP-like file (several comment pairs per post, one record each) with tries equals
+standard DPO (every `[prompt][response]` its own row) over the same pairs in one step (`tolerances`: loss within
+beta x the log-prob sums' scale, gradients within their largest entry's; one float64 run), and the trained weights
+evaluate the same on tree lines as on standard rows. The MoE load-balancing loss on tree lines (each node weighted
+by the TRL rows through it) equals TRL's own on its padded rows (within its own O(1) scale), and one DPO step with
+it on tries equals one without tries. Tries without packing (or without prefix sharing) are refused in one line.
+About 40 s on 2 busy CPU cores.
 """
 
 from __future__ import annotations

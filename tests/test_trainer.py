@@ -26,7 +26,7 @@ from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.errors import UserError
 from prefixdpo.dpo.trainer import NonFiniteLossError
-from tolerances import K, assert_within, bound, dpo_loss_scale, in_dtype
+from tolerances import K, assert_within, bound, dpo_loss_scale, in_dtype, weights_scale
 
 REWARDS, LOGPS = ("rewards/chosen", "rewards/rejected", "rewards/margins"), ("logps/chosen", "logps/rejected")
 
@@ -79,9 +79,8 @@ def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, weight_k: float = K, bet
             assert a["rewards/accuracies"] == b["rewards/accuracies"]
     if w_a is not None:
         start = dict(tiny_model("llama").named_parameters())
-        scale = max(start[k].abs().max().item() + (w_b[k] - start[k]).abs().max().item() for k in w_b)
-        assert_within(torch.cat([w_a[k].flatten() for k in w_b]), torch.cat([w_b[k].flatten() for k in w_b]), scale,
-                      dtype, k=weight_k, what="final weights")
+        flat_a, flat_b, flat_start = (torch.cat([w[k].detach().flatten() for k in w_b]) for w in (w_a, w_b, start))
+        assert_within(flat_a, flat_b, weights_scale(flat_start, flat_b), dtype, k=weight_k, what="final weights")
 
 
 class StandardOnPlan(PrefixDPOTrainer):

@@ -85,6 +85,11 @@ def in_dtype(model, dtype: torch.dtype):
     return model if dtype == torch.float32 else float64_model(model)
 
 
+def weights_scale(start: torch.Tensor, trained: torch.Tensor) -> float:
+    """The scale trained weights [N] carry rounding in: the largest start weight plus the largest total move."""
+    return start.abs().max().item() + (trained - start).abs().max().item()
+
+
 def float64_model(model):
     """`model` in float64 with every RMSNorm computing in float64: transformers' RMSNorms (Llama, Qwen, Mistral,
     Mixtral) cast their input to float32 and back, which in a float64 model rounds activations and, in backward,
