@@ -31,7 +31,7 @@ from prefixdpo.dpo.step import Objective, pair_losses
 from prefixdpo.errors import ConfigError
 from test_reward_scores import tiny_reward_model
 from test_reward_trainer import assert_same_reward_log
-from tolerances import assert_within, dpo_loss_scale, in_dtype, sgd_grad_scale
+from tolerances import assert_logged_loss_within, assert_within, dpo_loss_scale, in_dtype, sgd_grad_scale
 
 
 def shp_like(posts: int, seed: int = 0, vocab: int = 96) -> list[Example]:
@@ -167,14 +167,11 @@ def _flat(model) -> torch.Tensor:
 def assert_same_dpo_step(a: tuple, b: tuple, start: torch.Tensor, beta: float, dtype: torch.dtype = torch.float32,
                          lr: float = 10.0) -> float:
     """Two runs' (logged step, trained weights [N]) of one SGD step of `lr` from `start` [N] took the same step
-    (`tolerances`): the logged loss within the rule for beta x its log-prob sums' scale (a float64 run: HF's Trainer
-    logs the loss through a float32 tensor, so one float32 rounding of it), the gradients (start - trained) / lr
-    within it for their largest entry, which is not tiny. Returns the gradients' difference in eps x scale."""
+    (`tolerances`): the logged loss within the rule for beta x its log-prob sums' scale
+    (`assert_logged_loss_within`), the gradients (start - trained) / lr within it for their largest entry, which is
+    not tiny. Returns the gradients' difference in eps x scale."""
     (a_log, a_w), (b_log, b_w) = a, b
-    if dtype == torch.float32:
-        assert_within(a_log["loss"], b_log["loss"], dpo_loss_scale(b_log, beta), what="loss")
-    else:
-        assert_within(a_log["loss"], b_log["loss"], abs(b_log["loss"]), torch.float32, k=1, what="logged loss")
+    assert_logged_loss_within(a_log["loss"], b_log["loss"], dpo_loss_scale(b_log, beta), dtype)
     assert a_log["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
     a_grad, b_grad = ((start - w) / lr for w in (a_w, b_w))
     assert b_grad.abs().max().item() > 1e-4

@@ -41,7 +41,7 @@ from prefixdpo.errors import ConfigError
 from test_grouping import _dpo_config, _flat, _shp_file, assert_same_dpo_step, one_dpo_step
 from test_tree import _ids, depth_1, depth_2, dialogue
 from test_trl_options import MOE, trl_rows
-from tolerances import assert_within, dpo_loss_scale, in_dtype
+from tolerances import K_FORWARD, assert_within, dpo_loss_scale, in_dtype
 
 
 def _system_prompted(g: random.Random, system: tuple[int, ...], prompts: int) -> list[Example]:
@@ -115,7 +115,7 @@ def test_tree_lines_are_the_same_every_epoch_and_in_file_order_when_sequential()
 def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend, dtype):
     """The loader's tree micro-batches (shuffled line order, two lines each, padded) vs each example's own
     prefix-shared row: every pair's combined loss (sigmoid + ipo, a reference that is not the policy) and log-prob
-    sums, 8 eps (fp32: 1e-6) of the log-prob scale; float64 (`tolerances.in_dtype`) on the segment plan."""
+    sums, K_FORWARD eps (fp32: 1e-6) of the log-prob scale; float64 (`tolerances.in_dtype`) on the segment plan."""
     g = random.Random(1)
     examples = dialogue(g, 3) + _system_prompted(g, _ids(g, 8), 2) + dialogue(g, 3)
     examples = [Example(ex.prompt_ids, ex.response_ids, ex.pairs, i) for i, ex in enumerate(examples)]
@@ -148,7 +148,8 @@ def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend, dtype):
                            objective=objective)
         alone[e] = (step.losses.item(), step.pairs.policy_chosen_logps.item(), step.pairs.policy_rejected_logps.item())
     scale = max(1.0, *(abs(v) for values in alone.values() for v in values[1:]))
-    assert_within([alone[e] for e in alone], [tree[e] for e in alone], scale, dtype, k=8, what="losses and sums")
+    assert_within([alone[e] for e in alone], [tree[e] for e in alone], scale, dtype, k=K_FORWARD,
+                  what="losses and sums")
     assert max(v[0] for v in alone.values()) - min(v[0] for v in alone.values()) > 0.1
 
 
@@ -197,7 +198,7 @@ def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, dtype: to
     standard.model.load_state_dict(tree.model.state_dict())
     s_eval = standard.evaluate(eval_dataset=list(standard.train_dataset))
     assert_within(t_eval["eval_loss"], s_eval["eval_loss"], dpo_loss_scale(s_eval, beta, "eval_"), dtype,
-                  what="eval_loss")
+                  k=K_FORWARD, what="eval_loss")
     assert t_eval["eval_loss"] != pytest.approx(t_log["loss"], rel=1e-3)
     return tree, t_log
 
@@ -208,8 +209,8 @@ def test_one_step_on_a_three_turn_dialogue_file_equals_standard_dpo(tmp_path, pr
     """precompute: the tree run's reference sums come from a precomputed table (gathered in tree-line order; the
     table is float32, so no float64 case)."""
     path, n_records = _dialogue_file(tmp_path)
-    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, dtype, pack_length=1024,
-                                              **({"precompute_ref_log_probs": True, "ref_cache_dir": str(tmp_path / "c")} if precompute else {}))
+    cache = {"precompute_ref_log_probs": True, "ref_cache_dir": str(tmp_path / "c")} if precompute else {}
+    tree, log = _one_step_equals_standard_dpo(tmp_path, path, n_records, dtype, pack_length=1024, **cache)
     micro = tree._train_micro[0]
     per_record = sum(tree.train_dataset[e].shared_length for e in micro.example_ids.tolist())
     # the system prompt once per line and each dialogue's earlier turns once: far below per-record sharing

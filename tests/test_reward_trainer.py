@@ -19,7 +19,7 @@ import torch
 from conftest import make_examples
 from test_reward_scores import tiny_reward_model
 from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
-from tolerances import K, assert_within, sgd_grad_scale, weights_scale
+from tolerances import K, K_FORWARD, assert_within, sgd_grad_scale, weights_scale
 
 
 def config(tmp_path, name: str, **kw) -> PrefixRewardConfig:
@@ -116,9 +116,9 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     resumed = [h for h in second.state.log_history if "loss" in h]
     assert [h["step"] for h in resumed[-2:]] == [3, 4]
     for a, b in zip(whole_logs[2:], resumed[-2:]):  # the same computations: equal to a few ulps
-        assert_same_reward_log(b, a, k=8, what=f"step {a['step']}")
+        assert_same_reward_log(b, a, k=K_FORWARD, what=f"step {a['step']}")
     start = flat(tiny_reward_model("llama"))
-    assert_within(flat(second.model), flat(whole.model), weights_scale(start, flat(whole.model)), k=8,
+    assert_within(flat(second.model), flat(whole.model), weights_scale(start, flat(whole.model)), k=K_FORWARD,
                   what="resumed weights")
 
 

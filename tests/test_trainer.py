@@ -26,7 +26,8 @@ from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.errors import UserError
 from prefixdpo.dpo.trainer import NonFiniteLossError
-from tolerances import K, assert_within, bound, dpo_loss_scale, in_dtype, weights_scale
+from tolerances import (K, K_FORWARD, assert_logged_loss_within, assert_within, bound, dpo_loss_scale, in_dtype,
+                        weights_scale)
 
 REWARDS, LOGPS = ("rewards/chosen", "rewards/rejected", "rewards/margins"), ("logps/chosen", "logps/rejected")
 
@@ -56,17 +57,13 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, weight_k: float = K, beta: float = 0.5,
                     dtype: torch.dtype = torch.float32):
     """Two runs of the same steps in `dtype` agree (`tolerances`): each step's loss and rewards within beta x its
-    log-prob sums' scale (`dpo_loss_scale`; a float64 run's logged loss: one float32 rounding, as HF's Trainer logs
-    it through a float32 tensor), its logps/* within those sums' largest; the final weights [named] within the
-    scale their steps' rounding builds up in: the largest start weight (the tiny Llama every run starts from) plus
-    the largest total move. weight_k=0: bitwise equal weights."""
+    log-prob sums' scale (`dpo_loss_scale`, `assert_logged_loss_within`), its logps/* within those sums' largest;
+    the final weights [named] within the scale their steps' rounding builds up in (`weights_scale` from the tiny
+    Llama every run starts from). weight_k=0: bitwise equal weights."""
     assert len(logs_a) == len(logs_b) > 0
     for a, b in zip(logs_a, logs_b):
         step, scale = b["step"], dpo_loss_scale(b, beta)
-        if dtype == torch.float32:
-            assert_within(a["loss"], b["loss"], scale, what=f"step {step} loss")
-        else:
-            assert_within(a["loss"], b["loss"], abs(b["loss"]), torch.float32, k=1, what=f"step {step} logged loss")
+        assert_logged_loss_within(a["loss"], b["loss"], scale, dtype, what=f"step {step} loss")
         assert_within([a[k] for k in REWARDS], [b[k] for k in REWARDS], scale, dtype, what=f"step {step} rewards")
         sums = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
         assert_within([a[k] for k in LOGPS], [b[k] for k in LOGPS], sums, dtype, what=f"step {step} logps")
@@ -208,7 +205,7 @@ def test_resume_equals_uninterrupted(tmp_path, loss):
     resumed.train(resume_from_checkpoint="latest")
     logs_resumed = [h for h in resumed.state.log_history if "loss" in h]
     assert [h["step"] for h in logs_resumed[-3:]] == [4, 5, 6]
-    assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_k=8)
+    assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_k=K_FORWARD)
     state, expected = resumed.coupling.state_dict()["running_means"], full.coupling.state_dict()["running_means"]
     assert state.keys() == expected.keys() == ({"bco_pair"} if loss == "bco_pair" else set())
     for name in expected:  # a running mean of rewards: within the rewards' scale (beta x the sums')
@@ -256,7 +253,7 @@ def test_save_model_loads_with_stock_transformers(tmp_path):
         ref = copy.deepcopy(t.model)
         ref.set_attn_implementation("sdpa")
         want = ref(ids).logits  # the same weights through the same attention: equal to their own rounding
-        assert_within(loaded(ids).logits, want, want.abs().max().item(), k=8, what="logits")
+        assert_within(loaded(ids).logits, want, want.abs().max().item(), k=K_FORWARD, what="logits")
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

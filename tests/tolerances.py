@@ -32,7 +32,8 @@ import torch
 
 EPS32 = torch.finfo(torch.float32).eps
 EPS64 = torch.finfo(torch.float64).eps
-K = 64
+K = 64  # a value downstream of a backward pass or an optimizer step: gradients, weights, losses after a step
+K_FORWARD = 8  # a value of one forward pass compared directly: log-prob sums, scores, logits, their losses
 
 
 def eps(dtype: torch.dtype = torch.float32) -> float:
@@ -52,15 +53,36 @@ def max_diff(a, b) -> float:
 
 def assert_within(a, b, scale: float, dtype: torch.dtype = torch.float32, k: float = K, what: str = "") -> float:
     """Asserts max |a - b| <= k x eps(dtype) x scale; returns the difference in units of eps x scale."""
-    diff, limit = max_diff(a, b), bound(scale, dtype, k)
-    assert diff <= limit, (f"{what}: |a - b| = {diff:.3g} > bound {limit:.3g} = {k} x eps({dtype}) x scale "
-                           f"{scale:.4g} (a {_head(a)}, b {_head(b)})")
+    return assert_small(max_diff(a, b), scale, dtype, k, f"{what} (a {_head(a)}, b {_head(b)})")
+
+
+def assert_small(diff: float, scale: float, dtype: torch.dtype = torch.float32, k: float = K, what: str = "") -> float:
+    """Asserts a measured difference <= k x eps(dtype) x scale; returns it in units of eps x scale."""
+    limit = bound(scale, dtype, k)
+    assert diff <= limit, f"{what}: |a - b| = {diff:.3g} > bound {limit:.3g} = {k} x eps({dtype}) x scale {scale:.4g}"
     return diff / (eps(dtype) * scale)
+
+
+def assert_logged_loss_within(a: float, b: float, scale: float, dtype: torch.dtype = torch.float32,
+                              what: str = "logged loss") -> float:
+    """Two logged training losses within the rule for `scale`; in a float64 run within one float32 rounding of
+    their size instead: HF's Trainer accumulates the logged loss in a float32 tensor."""
+    if dtype == torch.float32:
+        return assert_within(a, b, scale, what=what)
+    return assert_within(a, b, abs(b), torch.float32, k=1, what=f"{what} (float32 in HF's Trainer)")
 
 
 def _head(x) -> str:
     t = torch.as_tensor(x, dtype=torch.float64).flatten()
     return f"{t[0].item():.9g}" if t.numel() == 1 else f"[{t.numel()}] first {t[0].item():.9g}"
+
+
+def assert_matches_separate_passes(result, dtype: torch.dtype = torch.float32) -> None:
+    """A `prefixdpo.core.verify.VerifyResult` (or the reward scores' one): the sums (scores) within K_FORWARD of
+    their largest |value|, the gradients (where compared) within K of their largest entry."""
+    assert_small(result.logp_diff, result.logp_scale, dtype, K_FORWARD, f"{result.case} sums")
+    if result.grad_diff is not None:
+        assert_small(result.grad_diff, result.grad_scale, dtype, K, f"{result.case} gradients")
 
 
 def dpo_loss_scale(log: dict, beta: float, prefix: str = "") -> float:
