@@ -229,7 +229,7 @@ def test_reward_step_grouped_with_margins_equals_the_standard_step(tmp_path):
         runs[name] = trainer, [h for h in trainer.state.log_history if "loss" in h][0]
     (g, g_log), (s, s_log) = runs["grouped"], runs["standard"]
     assert len(g.train_dataset) == 4
-    assert_same_reward_log(g_log, s_log, what="grouped")
+    assert_same_reward_log(g_log, s_log, s.model, what="grouped")
     g_grad, s_grad = ((start - _flat(t.model)) / 10.0 for t in (g, s))
     assert s_grad.abs().max().item() > 1e-4
     assert_within(g_grad, s_grad, sgd_grad_scale(s_grad, start, 10.0), what="gradient")

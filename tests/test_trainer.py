@@ -59,14 +59,15 @@ def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, weight_k: float = K, bet
     """Two runs of the same steps in `dtype` agree (`tolerances`): each step's loss and rewards within beta x its
     log-prob sums' scale (`dpo_loss_scale`, `assert_logged_loss_within`), its logps/* within those sums' largest;
     the final weights [named] within the scale their steps' rounding builds up in (`weights_scale` from the tiny
-    Llama every run starts from). weight_k=0: bitwise equal weights."""
+    Llama every run starts from). Losses, rewards and log-probs are forward values (K_FORWARD, the steps small next
+    to the weights), the weights sums over every token's gradient (K). weight_k=0: bitwise equal weights."""
     assert len(logs_a) == len(logs_b) > 0
     for a, b in zip(logs_a, logs_b):
         step, scale = b["step"], dpo_loss_scale(b, beta)
         assert_logged_loss_within(a["loss"], b["loss"], scale, dtype, what=f"step {step} loss")
-        assert_within([a[k] for k in REWARDS], [b[k] for k in REWARDS], scale, dtype, what=f"step {step} rewards")
+        assert_within([a[k] for k in REWARDS], [b[k] for k in REWARDS], scale, dtype, K_FORWARD, f"step {step} rewards")
         sums = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
-        assert_within([a[k] for k in LOGPS], [b[k] for k in LOGPS], sums, dtype, what=f"step {step} logps")
+        assert_within([a[k] for k in LOGPS], [b[k] for k in LOGPS], sums, dtype, K_FORWARD, f"step {step} logps")
         # Accuracy is a step function of each pair's margin: compare it only where no margin can be a tie.
         # While the policy still equals its reference (step 1) every margin is 0 up to rounding, and the
         # last bits differ between CPUs, so there the rewards themselves must be ~0 instead.
@@ -209,7 +210,7 @@ def test_resume_equals_uninterrupted(tmp_path, loss):
     state, expected = resumed.coupling.state_dict()["running_means"], full.coupling.state_dict()["running_means"]
     assert state.keys() == expected.keys() == ({"bco_pair"} if loss == "bco_pair" else set())
     for name in expected:  # a running mean of rewards: within the rewards' scale (beta x the sums')
-        assert_within(state[name]["mean"], expected[name]["mean"], dpo_loss_scale(logs_full[-1], 0.5),
+        assert_within(state[name]["mean"], expected[name]["mean"], dpo_loss_scale(logs_full[-1], 0.5), k=K_FORWARD,
                       what=f"{name} running mean")
         assert state[name]["count"] == expected[name]["count"] > 0
 
@@ -334,8 +335,9 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
     assert abs(a["eval_rewards/chosen"]) > 1e-2  # the policy moved away from its reference
     scale = dpo_loss_scale(a, 0.5, "eval_")
     for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected"):
-        assert_within(b[key], a[key], scale, what=key)
-    assert_within(b["eval_logps/chosen"], a["eval_logps/chosen"], abs(a["eval_logps/chosen"]), what="eval_logps")
+        assert_within(b[key], a[key], scale, k=K_FORWARD, what=key)
+    assert_within(b["eval_logps/chosen"], a["eval_logps/chosen"], abs(a["eval_logps/chosen"]), k=K_FORWARD,
+                  what="eval_logps")
     assert pre.reference.cache_hits["eval"] is False  # a new table, computed after training
 
 
