@@ -60,7 +60,7 @@ def assert_small(diff: float, scale: float, dtype: torch.dtype = torch.float32, 
     """Asserts a measured difference <= k x eps(dtype) x scale; returns it in units of eps x scale."""
     limit = bound(scale, dtype, k)
     assert diff <= limit, f"{what}: |a - b| = {diff:.3g} > bound {limit:.3g} = {k} x eps({dtype}) x scale {scale:.4g}"
-    return diff / (eps(dtype) * scale)
+    return diff / (eps(dtype) * scale) if diff else 0.0
 
 
 def assert_logged_loss_within(a: float, b: float, scale: float, dtype: torch.dtype = torch.float32,
