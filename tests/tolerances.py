@@ -85,15 +85,16 @@ def assert_matches_separate_passes(result, dtype: torch.dtype = torch.float32) -
         assert_small(result.grad_diff, result.grad_scale, dtype, K, f"{result.case} gradients")
 
 
-def dpo_loss_scale(log: dict, beta: float, prefix: str = "") -> float:
+def dpo_loss_scale(log: dict, beta: float, prefix: str = "", slope: float | None = None) -> float:
     """beta x the mean |log-prob sum| of a pair's four sums (policy and reference, chosen and rejected), from a
     logged step or evaluation of a DPO-family loss with a reference: the logged `logps/*` are the policy's means
     (all sums are negative, so |mean| is the mean of |sum|) and `rewards/* = beta x (policy - reference)` gives the
     reference's. Sigmoid DPO's slope in the margin is at most beta, and the loss is a mean over pairs, so a rounding
-    of each sum by eps x |sum| moves it by at most beta x (the four sums' mean |sum|) x eps."""
+    of each sum by eps x |sum| moves it by at most beta x (the four sums' mean |sum|) x eps. `slope`: another
+    loss's largest slope in its sums (default beta)."""
     policy = [log[f"{prefix}logps/{side}"] for side in ("chosen", "rejected")]
     reference = [p - log[f"{prefix}rewards/{side}"] / beta for p, side in zip(policy, ("chosen", "rejected"))]
-    return beta * sum(abs(x) for x in policy + reference)
+    return (beta if slope is None else slope) * sum(abs(x) for x in policy + reference)
 
 
 def sgd_grad_scale(grad: torch.Tensor, start: torch.Tensor, lr: float) -> float:
