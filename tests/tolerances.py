@@ -97,6 +97,29 @@ def dpo_loss_scale(log: dict, beta: float, prefix: str = "", slope: float | None
     return (beta if slope is None else slope) * sum(abs(x) for x in policy + reference)
 
 
+def assert_same_dpo_log(a: dict, b: dict, beta: float, keys, prefix: str = "", slope: float | None = None,
+                        dtype: torch.dtype = torch.float32, k: float = K_FORWARD, what: str = "") -> float:
+    """`b` against `a`, two logs of the same DPO-family step or evaluation, on `keys` (without `prefix`): the loss
+    and rewards/* within k eps x `dpo_loss_scale(a, beta, prefix, slope)`, logps/* within k eps of the larger
+    |mean sum|, token fractions (prefix_sharing/*, packing/*) within k eps of 1. Returns the worst in eps x scale."""
+    scales = {"loss": dpo_loss_scale(a, beta, prefix, slope),
+              "logps": max(abs(a[f"{prefix}logps/{side}"]) for side in ("chosen", "rejected"))}
+    worst = 0.0
+    for key in keys:
+        kind = key.split("/")[0]
+        scale = scales["loss"] if kind in ("loss", "rewards") else scales.get(kind, 1.0)
+        worst = max(worst, assert_within(b[prefix + key], a[prefix + key], scale, dtype, k, f"{what} {key}"))
+    return worst
+
+
+def assert_same_weights(a: dict, b: dict, k: float = K_FORWARD, what: str = "weights") -> float:
+    """Two runs' named weights {name: tensor} of the same steps (a resume, the same steps without a skipped one)
+    within k eps x the largest |weight| of `b` (K_FORWARD: the same computations, a few ulps at most)."""
+    assert a.keys() == b.keys() and a
+    diff = max(float((a[n].double() - b[n].double()).abs().max()) for n in b)
+    return assert_small(diff, max(float(b[n].abs().max()) for n in b), k=k, what=what)
+
+
 def sgd_grad_scale(grad: torch.Tensor, start: torch.Tensor, lr: float) -> float:
     """The scale of a gradient read off one SGD step, (start - trained) / lr: its largest entry, plus the weights'
     own rounding (max|w| / lr) that the subtraction carries."""
