@@ -22,7 +22,9 @@ through which TRL computes *every* log-prob pass is replaced, `_get_per_token_lo
 Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between this class and TRL's): staged
 checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
 the trajectory options), `resume_from_checkpoint="latest"`, another run's output_dir refused, SIGTERM/SIGUSR1 ->
-checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports.
+checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports; a reward
+function that raises or breaks TRL's contract stops the run in one line, and a step with no usable reward (all
+None/NaN, or any inf) is a non-finite step (`reward_checks.py`).
 
 A resume continues the uninterrupted run exactly when its checkpoint ends a generation cycle (every checkpoint
 with TRL's defaults `steps_per_generation` = `gradient_accumulation_steps`, `num_iterations` = 1): generation
@@ -51,6 +53,7 @@ from prefixdpo.training.options import RunSafetyOptions
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
+from prefixdpo.grpo.reward_checks import GuardedRewards
 
 logger = logging.getLogger(__name__)
 
@@ -241,21 +244,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, SurvivingRun, GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
-    survive (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixSharedLogps, GuardedRewards, SurvivingRun, GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, reward functions that
+    cannot end a run silently wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._guard_reward_funcs()
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, SurvivingRun, RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
-    survive (`SurvivingRun`)."""
+class PrefixRLOOTrainer(PrefixSharedLogps, GuardedRewards, SurvivingRun, RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, reward functions that
+    cannot end a run silently wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._guard_reward_funcs()
         self._init_survival()
