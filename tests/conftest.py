@@ -173,6 +173,16 @@ def examples():
     return random_examples()
 
 
+def free_port() -> str:
+    """A TCP port free right now, for `torchrun --master_port` (a fixed number collides when two pytest-xdist workers,
+    or two checkouts' suites, launch at once)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900):
     """Run `python *args` as one process, or under `torchrun --standalone` as `nproc` gloo processes (CPU, one
     thread each). Asserts it succeeded, showing the ranks' own tracebacks; returns the CompletedProcess."""
