@@ -252,11 +252,12 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     examples = make_examples(16)
     args = config(tmp_path, save_strategy="steps", save_steps=1)
     trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
-    sigterm = signal.getsignal(signal.SIGTERM)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     # a UserError: the command line prints this one line (naming the last good checkpoint), no traceback
     with pytest.raises(UserError, match="optimizer step 3.*checkpoint-2") as info:
         trainer.train()
-    assert signal.getsignal(signal.SIGTERM) is sigterm  # the preemption handler is gone with the failed run
+    # the preemption and Ctrl-C handlers are gone with the failed run
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert isinstance(info.value, NonFiniteLossError)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
     from safetensors.torch import load_file
