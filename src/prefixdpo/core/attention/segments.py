@@ -90,27 +90,22 @@ class SegmentPlan:
 
 def line_segments(spans: torch.Tensor) -> list[tuple[list[int], list[int]]]:
     """(query flat indices, key flat indices) per segment of [B, L, 2] spans ((-1, -1) = padding), in line order:
-    each maximal run of tokens whose parent is the token before it, keyed by its ancestors and itself."""
+    each maximal run of tokens whose parent is the token before it, keyed by its ancestors and itself.
+
+    In a depth-first line a real token's column is its tin, and t - 1 is t's parent exactly when t lies in t - 1's
+    subtree (t < tout[t - 1]); the ancestors of a run starting at s are the tokens u < s whose subtree holds s."""
     B, L, _ = spans.shape
-    tin, tout = spans[..., 0].tolist(), spans[..., 1].tolist()
+    tin, tout = spans[..., 0].cpu().numpy(), spans[..., 1].cpu().numpy()
+    columns = np.arange(L)
     out: list[tuple[list[int], list[int]]] = []
     for b in range(B):
-        base = b * L
-        stack: list[int] = []  # the ancestors of the current token, root first
-        run: list[int] = []
-        ancestors: list[int] = []
-        for t in range(L):
-            if tin[b][t] < 0:
-                continue
-            while stack and tout[b][stack[-1]] <= tin[b][t]:  # not an ancestor of t
-                stack.pop()
-            if not (stack and stack[-1] == t - 1 and run and run[-1] == base + t - 1):
-                if run:
-                    out.append((run, ancestors + run))
-                ancestors, run = [base + a for a in stack], []
-            run.append(base + t)
-            stack.append(t)
-        if run:
+        real = tin[b] >= 0
+        continues = np.zeros(L, dtype=bool)
+        continues[1:] = real[:-1] & (tout[b, :-1] > columns[1:])
+        starts = np.flatnonzero(real & ~continues)
+        for s, end in zip(starts, [*starts[1:], L]):
+            run = (columns[s:end][real[s:end]] + b * L).tolist()
+            ancestors = (np.flatnonzero(real[:s] & (tout[b, :s] > s)) + b * L).tolist()
             out.append((run, ancestors + run))
     return out
 
