@@ -22,7 +22,8 @@ from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16, join_cpu_processes,
+    PrefixReuseOptions, RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, check_prefix_reuse,
+    device_has_bf16, join_cpu_processes,
 )
 
 
@@ -60,10 +61,11 @@ class GroupLayoutOptions:
     def _check_prefix_options(self) -> None:
         check_attention_and_pack_length(self)
         check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
+        check_prefix_reuse(self)
 
 
 @dataclass
-class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
+class PrefixGRPOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, GRPOConfig):
     """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions` + `RunSafetyOptions` (a non-finite
     step, an output_dir of another run)."""
 
@@ -74,7 +76,7 @@ class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
 
 
 @dataclass
-class PrefixRLOOConfig(GroupLayoutOptions, RunSafetyOptions, RLOOConfig):
+class PrefixRLOOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, RLOOConfig):
     """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions` + `RunSafetyOptions`."""
 
     def __post_init__(self) -> None:

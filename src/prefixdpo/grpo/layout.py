@@ -101,12 +101,15 @@ def _group_rows(input_ids: torch.Tensor, mask: torch.Tensor, prompt_width: int) 
     return members
 
 
-def _line_groups(lengths: list[int], packing: bool, pack_length: int | str) -> list[list[int]]:
+def _line_groups(lengths: list[int], packing: bool, pack_length: int | str, alone_above: int | None = None
+                 ) -> list[list[int]]:
     """Which groups share each line: best-fit packs of at most `pack_length` tokens ('auto': 1.1 x the 95th
     percentile of group lengths, rounded up to 128), or one group per line. A group longer than an explicit
-    pack length gets a line of its own (TRL's batch decides the rows; none may be dropped). Groups without a real
+    pack length gets a line of its own (TRL's batch decides the rows; none may be dropped), and so does one longer
+    than `alone_above` (prefix reuse's budget: its line runs as a prefix and chunks). Groups without a real
     token (their rows hold nothing to score) join the last line."""
-    groups = [g for g, n in enumerate(lengths) if n > 0]
+    alone = [[g] for g, n in enumerate(lengths) if alone_above is not None and n > alone_above]
+    groups = [g for g, n in enumerate(lengths) if n > 0 and not (alone_above is not None and n > alone_above)]
     empty = [g for g, n in enumerate(lengths) if n == 0]
     if not packing or not groups:
         lines = [[g] for g in groups]
@@ -114,6 +117,7 @@ def _line_groups(lengths: list[int], packing: bool, pack_length: int | str) -> l
         sizes = [lengths[g] for g in groups]
         length = auto_pack_length(sizes) if pack_length == "auto" else max(int(pack_length), max(sizes))
         lines = [[groups[i] for i in pack] for pack in plan_packs(sizes, length, shuffle=False)]
+    lines = alone + lines
     if empty:
         lines = lines[:-1] + [(lines[-1] if lines else []) + empty]
     return lines
@@ -150,13 +154,14 @@ def layout_groups(
     packing: bool = True,
     pack_length: int | str = "auto",
     bucket: bool = False,
+    alone_above: int | None = None,
 ) -> GroupLines:
     """Lay TRL's rows out as prefix-shared lines (call `why_not_shared` first: its rows must pass).
 
     input_ids, attention_mask: [N, L] TRL's rows; logits_to_keep: K, the completion columns.
     positions_from_mask: the model counts positions over real tokens (see `trl_positions`).
-    packing / pack_length: several groups per line (see `_line_groups`); bucket: round the line length up to
-    one of a few sizes (multiples of 128, as compiled FlexAttention wants), else to the longest line.
+    packing / pack_length / alone_above: several groups per line (see `_line_groups`); bucket: round the line length
+    up to one of a few sizes (multiples of 128, as compiled FlexAttention wants), else to the longest line.
     Index bookkeeping runs on the CPU; the returned tensors live on `input_ids.device`.
     """
     ids = input_ids.detach().cpu()
@@ -169,7 +174,7 @@ def layout_groups(
     ids_list, positions = ids.tolist(), trl_positions(mask, positions_from_mask).tolist()
     groups = [_group_row(ids_list, positions, mask[rows[0], :P].nonzero().squeeze(1).tolist(), rows,
                          completion_lengths, P) for rows in members]
-    lines = _line_groups([len(row) for row in groups], packing, pack_length)
+    lines = _line_groups([len(row) for row in groups], packing, pack_length, alone_above)
     fields = collate([[(groups[g], members[g]) for g in line] for line in lines], N, bucket=bucket)
     device = input_ids.device
     return GroupLines(

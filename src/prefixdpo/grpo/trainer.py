@@ -49,7 +49,7 @@ from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
 from prefixdpo.core.engines import enable_requested_fsdp
 from prefixdpo.training.nonfinite import check_engine_support
-from prefixdpo.training.options import RunSafetyOptions
+from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
@@ -85,12 +85,15 @@ class PrefixSharedLogps:
         self._fallbacks_noted: set[str] = set()
         # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
         self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
+        self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
         if not self._option("prefix_sharing"):
             return
         backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)
+        if getattr(self.args, "prefix_reuse", False):  # a plain TRL config has no such option: off
+            self._tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 
     # ---- the pass -------------------------------------------------------------------------------
 
@@ -119,7 +122,8 @@ class PrefixSharedLogps:
         settings = trl_head_settings(model, self.temperature, self._cast_head_to_fp32())
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
-                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows)
+                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
+                                 tokens_per_pass=self._tokens_per_pass)
         self._count_sharing(lines)
         return result
 
@@ -129,7 +133,7 @@ class PrefixSharedLogps:
         content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
         settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
-                    str(self._option("pack_length")), backend in ("flex", "varlen"))
+                    str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass)
         cached = getattr(self, "_last_layout", None)
         if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
                 and _same(cached[2], attention_mask)):
@@ -138,6 +142,7 @@ class PrefixSharedLogps:
             input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
             pack_length=self._option("pack_length"),
             bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
+            alone_above=self._tokens_per_pass,  # prefix reuse: a longer group gets a line of its own
         )
         self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
         return lines

@@ -23,7 +23,7 @@ import torch
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.lines import sequence_tokens
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
-from prefixdpo.core.forward import decoder_output, through_engine
+from prefixdpo.core.forward import batch_inputs, pass_hidden_states, through_engine
 from prefixdpo.core.logprobs import UnsupportedModelError
 
 
@@ -78,12 +78,11 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
 
     def body(inner_forward, **inputs) -> dict:
-        hidden, _ = decoder_output(model, inner_forward, **inputs)
+        hidden, _ = pass_hidden_states(model, inner_forward, **inputs)
         # the head's own dtype: under mixed precision the body's output may differ from the head's weights
         dtype = next(head.parameters()).dtype
         if empty:
             return {"scores": head(hidden[:, -1].to(dtype)).float().sum().reshape(1) * 0.0}
         return {"scores": head(hidden[line, column].to(dtype)).float().squeeze(-1)}
 
-    inputs = {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
-    return through_engine(model, body, **inputs)["scores"]
+    return through_engine(model, body, **batch_inputs(batch, attention_mask))["scores"]

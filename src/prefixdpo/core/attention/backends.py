@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
+from prefixdpo.core.attention.reuse_plan import plan_reuse
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
 
@@ -46,8 +47,12 @@ def _is_block_mask(mask) -> bool:
 def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """query [B,H,L,D], key/value [B,Hkv,L,D]; attention_mask a BlockMask, a bool [B,1,L,L], or None.
 
-    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then.
+    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then. A mask carrying
+    `prefix_kv` (`PrefixKV`, prefix reuse) records this layer's keys and values, or puts a cached prefix's before them.
     """
+    store = getattr(attention_mask, "prefix_kv", None)
+    if store is not None:
+        key, value = store.keys_values(module, key, value)
     if attention_mask is not None and _is_block_mask(attention_mask):
         return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
     plan = getattr(attention_mask, "prefix_plan", None)
@@ -75,6 +80,40 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
     else:
         kwargs["is_causal"] = False
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class PrefixKV:
+    """Per-layer keys and values of a cached prefix, travelling with a pass's mask (`prefix_kv`) to every attention
+    call, by the attention module's `layer_idx` (`core.prefix_reuse`). `record()`: the prefix's own pass, which keeps
+    each layer's key/value [B, Hkv, p, D] (with their autograd graph); `prepended()`: a pass over tokens after the
+    prefix, whose keys and values are the prefix's followed by its own. Through prefixdpo's attention rather than
+    a transformers cache, so gradient checkpointing (which drops a layer's cache) keeps it."""
+
+    def __init__(self, layers: dict | None = None, recording: bool = True):
+        self.layers = {} if layers is None else layers
+        self.recording = recording
+
+    def prepended(self) -> "PrefixKV":
+        """A store that puts this one's keys and values before a later pass's own (a snapshot: a layer recomputed
+        in backward may record again)."""
+        return PrefixKV(dict(self.layers), recording=False)
+
+    def keys_values(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise ConfigError(f"prefix_reuse needs attention modules with a layer_idx; {type(module).__name__} has "
+                              "none: set prefix_reuse false")
+        if self.recording:
+            self.layers[layer] = (key, value)
+            return key, value
+        cached_key, cached_value = self.layers[layer]
+        return torch.cat([cached_key, key], dim=2), torch.cat([cached_value, value], dim=2)
+
+
+def with_prefix_kv(mask, store: PrefixKV):
+    """`mask` (any backend's) carrying `store` to the attention calls of its pass."""
+    mask.prefix_kv = store
+    return mask
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
@@ -107,18 +146,27 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
     return backend
 
 
-def batch_attention_mask(lines, backend: str, *, segment_waste: float = 0.25):
+def batch_attention_mask(lines, backend: str, *, segment_waste: float = 0.25, queries_from: int = 0,
+                         max_tokens_per_pass: int | None = None):
     """The mask object of `lines` (a `data.lines.Lines`, or its [B, L, 2] spans) for a resolved backend: the dense
     bool [B, 1, L, L] mask for sdpa, the BlockMask for flex, a plan-carrying tensor for segmented and varlen; one
-    rule, over the spans (`masks.py`). segment_waste: the padding a group of segments may add (`segments._group`)."""
+    rule, over the spans (`masks.py`). segment_waste: the padding a group of segments may add (`segments._group`).
+    queries_from: the pass's queries are the columns from there on, its keys the whole line (the first columns are a
+    cached prefix's, `core.prefix_reuse`). max_tokens_per_pass: with prefix reuse on, the budget of one pass: a batch
+    with a line over it gets its `reuse_plan.PrefixReuse` instead of a mask (its passes build their own masks)."""
     spans = lines if isinstance(lines, torch.Tensor) else lines.spans
+    if max_tokens_per_pass is not None:
+        reuse = plan_reuse(spans, max_tokens_per_pass, backend, segment_waste)
+        if reuse is not None:
+            return reuse
     if backend == "varlen":
-        return varlen.varlen_plan_mask(varlen.build_varlen_plan(spans), spans.device)
+        return varlen.varlen_plan_mask(varlen.build_varlen_plan(spans, queries_from), spans.device)
     if backend == "segmented":
-        return segment_plan_mask(build_segment_plan(spans, waste=segment_waste), spans.device)
+        plan = build_segment_plan(spans, waste=segment_waste, queries_from=queries_from)
+        return segment_plan_mask(plan, spans.device)
     if backend == "flex":
-        return block_mask(spans)
+        return block_mask(spans, queries_from=queries_from)
     if backend == "sdpa":
-        return dense_mask(spans)
+        return dense_mask(spans, queries_from)
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
 

@@ -20,35 +20,41 @@ import torch
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def dense_mask(spans: torch.Tensor) -> torch.Tensor:
-    """The rule as a boolean mask [B, 1, L, L] (True = may attend), for SDPA.
+def dense_mask(spans: torch.Tensor, queries_from: int = 0) -> torch.Tensor:
+    """The rule as a boolean mask [B, 1, L - queries_from, L] (True = may attend), for SDPA.
 
-    spans: [B, L, 2] long, (tin, tout) of each slot's node; (-1, -1) for padding.
+    spans: [B, L, 2] long, (tin, tout) of each slot's node; (-1, -1) for padding. queries_from: the queries are the
+    columns from there on (the first ones are a cached prefix: keys only, `core.prefix_reuse`).
     """
     tin, tout = spans[..., 0], spans[..., 1]
     L = tin.shape[1]
-    ancestor = (tin[:, None, :] <= tin[:, :, None]) & (tin[:, :, None] < tout[:, None, :])  # [B, q, kv]
+    q_tin = tin[:, queries_from:]
+    ancestor = (tin[:, None, :] <= q_tin[:, :, None]) & (q_tin[:, :, None] < tout[:, None, :])  # [B, q, kv]
     ancestor &= tin[:, None, :] >= 0
-    ancestor |= torch.eye(L, dtype=torch.bool, device=tin.device)[None]
+    ancestor |= torch.eye(L, dtype=torch.bool, device=tin.device)[queries_from:][None]
     return ancestor[:, None]
 
 
-def mask_mod(spans: torch.Tensor) -> MaskMod:
-    """The rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; spans: [B, L, 2] (tin, tout)."""
+def mask_mod(spans: torch.Tensor, queries_from: int = 0) -> MaskMod:
+    """The rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; spans: [B, L, 2] (tin, tout); query q is column
+    q + queries_from (see `dense_mask`)."""
     # contiguous [B, L] buffers: inductor's CPU flex kernel refuses strided views inside a mask_mod
     tin, tout = spans[..., 0].contiguous(), spans[..., 1].contiguous()
 
     def ancestor_or_self(b, h, q_idx, kv_idx):
+        q = q_idx + queries_from
         tin_kv = tin[b, kv_idx]
-        ancestor = (tin_kv <= tin[b, q_idx]) & (tin[b, q_idx] < tout[b, kv_idx]) & (tin_kv >= 0)
-        return ancestor | (q_idx == kv_idx)
+        ancestor = (tin_kv <= tin[b, q]) & (tin[b, q] < tout[b, kv_idx]) & (tin_kv >= 0)
+        return ancestor | (q == kv_idx)
 
     return ancestor_or_self
 
 
-def block_mask(spans: torch.Tensor, *, block_size: int = 128):
-    """The rule as a FlexAttention BlockMask over [B, L] lines (L should be a multiple of block_size)."""
+def block_mask(spans: torch.Tensor, *, block_size: int = 128, queries_from: int = 0):
+    """The rule as a FlexAttention BlockMask over [B, L] lines (L should be a multiple of block_size), its queries
+    the columns from `queries_from` on (see `dense_mask`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L, _ = spans.shape
-    return create_block_mask(mask_mod(spans), B, None, L, L, device=spans.device, BLOCK_SIZE=block_size)
+    return create_block_mask(mask_mod(spans, queries_from), B, None, L - queries_from, L, device=spans.device,
+                             BLOCK_SIZE=block_size)

@@ -73,11 +73,12 @@ def _group_mask(query_counts: list[int], key_counts: list[int], Lq: int, Lk: int
 
 @dataclass
 class SegmentPlan:
-    """All segment groups of a [B, L] batch, with flat gather indices shared by every layer.
+    """All segment groups of a batch of [B, L] queries (over [B, Lk] keys: Lk = L, or more when the keys hold a cached
+    prefix), with flat gather indices shared by every layer.
 
-    q_index:  [Q] flat token index (b * L + t) of every padded query slot, groups concatenated
-    kv_index: [K] flat token index of every padded key slot, groups concatenated
-    out_index:[B * L] row of the concatenated output holding each token's result; padding tokens
+    q_index:  [Q] flat query index (b * L + t) of every padded query slot, groups concatenated
+    kv_index: [K] flat key index (b * Lk + t) of every padded key slot, groups concatenated
+    out_index:[B * L] row of the concatenated output holding each query's result; padding tokens
               point at an extra all-zero row (index Q) so they get zeros
     """
 
@@ -88,13 +89,20 @@ class SegmentPlan:
     kv_index: torch.Tensor
     out_index: torch.Tensor
 
-def line_segments(spans: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+
+def line_segments(spans: torch.Tensor, queries_from: int = 0) -> list[tuple[list[int], list[int]]]:
     """(query flat indices, key flat indices) per segment of [B, L, 2] spans ((-1, -1) = padding), in line order:
     each maximal run of tokens whose parent is the token before it, keyed by its ancestors and itself.
 
     In a depth-first line a real token's column is its tin, and t - 1 is t's parent exactly when t lies in t - 1's
-    subtree (t < tout[t - 1]); the ancestors of a run starting at s are the tokens u < s whose subtree holds s."""
+    subtree (t < tout[t - 1]); the ancestors of a run starting at s are the tokens u < s whose subtree holds s.
+
+    queries_from: only the columns from there on are queries (a pass over external keys: the line's first
+    `queries_from` tokens are a cached prefix, `core.prefix_reuse`); query indices are then flat over the
+    [B, L - queries_from] queries, key indices over the whole [B, L] line.
+    """
     B, L, _ = spans.shape
+    Lq = L - queries_from
     tin, tout = spans[..., 0].cpu().numpy(), spans[..., 1].cpu().numpy()
     columns = np.arange(L)
     out: list[tuple[list[int], list[int]]] = []
@@ -104,9 +112,12 @@ def line_segments(spans: torch.Tensor) -> list[tuple[list[int], list[int]]]:
         continues[1:] = real[:-1] & (tout[b, :-1] > columns[1:])
         starts = np.flatnonzero(real & ~continues)
         for s, end in zip(starts, [*starts[1:], L]):
-            run = (columns[s:end][real[s:end]] + b * L).tolist()
-            ancestors = (np.flatnonzero(real[:s] & (tout[b, :s] > s)) + b * L).tolist()
-            out.append((run, ancestors + run))
+            run = columns[s:end][real[s:end]]
+            ancestors = np.flatnonzero(real[:s] & (tout[b, :s] > s))
+            keys = (np.concatenate([ancestors, run]) + b * L).tolist()
+            queries = run[run >= queries_from]
+            if len(queries):
+                out.append(((queries - queries_from + b * Lq).tolist(), keys))
     return out
 
 
@@ -139,15 +150,16 @@ def _group(segs: list[tuple[list[int], list[int]]], waste: float, min_cells: int
     return groups
 
 
-def build_segment_plan(spans: torch.Tensor, *, waste: float = 0.25, min_cells: int = 128 * 128) -> SegmentPlan:
+def build_segment_plan(spans: torch.Tensor, *, waste: float = 0.25, min_cells: int = 128 * 128,
+                       queries_from: int = 0) -> SegmentPlan:
     """Plan segmented attention for lines' [B, L, 2] spans (see module docstring); `waste`, `min_cells`: how much
-    padding a group of segments may add (`_group`)."""
+    padding a group of segments may add (`_group`); queries_from: see `line_segments`."""
     B, L, _ = spans.shape
-    segs = line_segments(spans.cpu())
+    segs = line_segments(spans.cpu(), queries_from)
     groups = []
     q_index: list[int] = []
     kv_index: list[int] = []
-    out_index = [-1] * (B * L)
+    out_index = [-1] * (B * (L - queries_from))
     for members in _group(segs, waste, min_cells):
         Lq = max(len(segs[i][0]) for i in members)
         Lk = max(len(segs[i][1]) for i in members)
@@ -167,14 +179,15 @@ def build_segment_plan(spans: torch.Tensor, *, waste: float = 0.25, min_cells: i
         # through numpy: torch.tensor reads a long Python list about 4x slower (2.7 ms vs 0.7 ms for 15k ints)
         return torch.from_numpy(np.fromiter(x, dtype=np.int64, count=len(x))).to(spans.device)
 
-    return SegmentPlan(B, L, groups, as_tensor(q_index), as_tensor(kv_index), as_tensor(out_index))
+    return SegmentPlan(B, L - queries_from, groups, as_tensor(q_index), as_tensor(kv_index), as_tensor(out_index))
 
 
 def segmented_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
     *, scaling: float | None = None, dropout: float = 0.0,
 ) -> torch.Tensor:
-    """query [B, H, L, D], key/value [B, Hkv, L, D] -> output [B, L, H, D] (transformers' layout).
+    """query [B, H, L, D], key/value [B, Hkv, Lk, D] -> output [B, L, H, D] (transformers' layout); Lk > L when the
+    keys hold a cached prefix before the queries' own (the plan's `queries_from`).
 
     One gather for all queries, one for all keys/values, one for the output: per-group gathers would
     each allocate a full-size gradient buffer in backward. `index_select` rather than `t[idx]`: its
@@ -182,10 +195,10 @@ def segmented_attention(
     Positions outside every segment (padding) get zeros.
     """
     B, H, L, D = query.shape
-    Hkv, Dv = key.shape[1], value.shape[-1]
+    Hkv, Lk, Dv = key.shape[1], key.shape[2], value.shape[-1]
     q_all = query.transpose(1, 2).reshape(B * L, H, D).index_select(0, plan.q_index)  # [Q, H, D]
-    k_all = key.transpose(1, 2).reshape(B * L, Hkv, D).index_select(0, plan.kv_index)  # [K, Hkv, D]
-    v_all = value.transpose(1, 2).reshape(B * L, Hkv, Dv).index_select(0, plan.kv_index)
+    k_all = key.transpose(1, 2).reshape(B * Lk, Hkv, D).index_select(0, plan.kv_index)  # [K, Hkv, D]
+    v_all = value.transpose(1, 2).reshape(B * Lk, Hkv, Dv).index_select(0, plan.kv_index)
     outs = []
     # torch.split, not slicing: a slice's backward fills a full-size zero buffer per group
     q_parts = q_all.split([g.num_segments * g.num_queries for g in plan.groups])

@@ -61,11 +61,11 @@ class VarlenPlan:
         return self.cu_seq_q.numel() - 1
 
 
-def build_varlen_plan(spans: torch.Tensor) -> VarlenPlan:
+def build_varlen_plan(spans: torch.Tensor, queries_from: int = 0) -> VarlenPlan:
     """Plan varlen attention for lines' [B, L, 2] spans ((tin, tout); (-1, -1) = padding): the segment plan's
-    segments (`segments.line_segments`), packed end to end."""
+    segments (`segments.line_segments`; queries_from: its queries from that column on), packed end to end."""
     B, L, _ = spans.shape
-    return _packed_plan(line_segments(spans.cpu()), B, L, spans.device)
+    return _packed_plan(line_segments(spans.cpu(), queries_from), B, L - queries_from, spans.device)
 
 
 def _packed_plan(segs: list[tuple[list[int], list[int]]], B: int, L: int, device) -> VarlenPlan:
@@ -134,12 +134,12 @@ def varlen_attention(
             f"runs in {query.dtype}: use --bf16 (or a bfloat16 model), or attention 'flex' for {query.dtype}"
         )
     B, H, L, D = query.shape
-    Hkv, Dv = key.shape[1], value.shape[-1]
+    Hkv, Lk, Dv = key.shape[1], key.shape[2], value.shape[-1]
     if plan.num_segments == 0:  # all padding (a rank-balancing empty micro-batch)
         return query.new_zeros(B, L, H, Dv)
     q = query.transpose(1, 2).reshape(B * L, H, D).index_select(0, plan.q_index)  # [Tq, H, D]
-    k = key.transpose(1, 2).reshape(B * L, Hkv, D).index_select(0, plan.kv_index)  # [Tk, Hkv, D]
-    v = value.transpose(1, 2).reshape(B * L, Hkv, Dv).index_select(0, plan.kv_index)  # [Tk, Hkv, Dv]
+    k = key.transpose(1, 2).reshape(B * Lk, Hkv, D).index_select(0, plan.kv_index)  # [Tk, Hkv, D]
+    v = value.transpose(1, 2).reshape(B * Lk, Hkv, Dv).index_select(0, plan.kv_index)  # [Tk, Hkv, Dv]
 
     params = _kernel_parameters(varlen_attn)
     options = {}
