@@ -214,3 +214,33 @@ def test_grpo_with_prefix_reuse_equals_trl(tmp_path, reused_passes):
                max_tokens_per_pass="16", **options)
     assert len(reused_passes) >= 8  # every step's policy and reference passes
     compare(theirs, ours)
+
+
+def test_reused_tokens_from_lengths_are_the_plans():
+    """`reused_tokens` (what `inspect` reports, from lengths) is the prompt plus the plan's largest chunk."""
+    from prefixdpo.core.attention.reuse_plan import reused_tokens
+
+    for example in _examples():
+        row = build_batch([example])
+        for budget in (1, 9, 13, 20, 200):
+            plan = plan_line(row.spans[0], 0, budget)
+            expected = example.shared_length if plan is None else plan.prefix + max(b - a for a, b in plan.chunks)
+            assert reused_tokens(len(example.prompt_ids), [len(r) for r in example.response_ids], budget) == expected
+
+
+def test_inspect_reports_the_activations_with_and_without_prefix_reuse(tmp_path, capsys):
+    import json
+
+    from prefixdpo.cli import main
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(str(tmp_path / "tok"))
+    data = tmp_path / "d.jsonl"
+    records = [{"prompt": "the cat sat on the mat " * 40, "chosen": " a dog ran", "rejected": " no"} for _ in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["inspect", str(data), "--tokenizer", str(tmp_path / "tok"), "--max-tokens-per-pass", "8"]) == 0
+    out = capsys.readouterr().out
+    (one_row,) = [line for line in out.splitlines() if line.startswith("activations ")]
+    (reused,) = [line for line in out.splitlines() if "with --prefix_reuse at 8 tokens a pass" in line]
+    largest = lambda line: float(line.split("largest ")[1].split(" GiB")[0])  # noqa: E731
+    assert 0 < largest(reused) < largest(one_row) and "3 of 3 examples run as a prefix and chunks" in reused

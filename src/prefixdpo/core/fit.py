@@ -35,7 +35,8 @@ from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
 
 __all__ = ["DataDoesNotFitError", "position_limit", "check_positions", "mask_bytes", "memory_bound",
-           "check_mask_memory", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass"]
+           "check_mask_memory", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
+           "block_activation_bytes"]
 
 _NO_LIMIT_ROPE = {"dynamic"}  # dynamic NTK scaling stretches itself to any length at run time
 _SEGMENT_WASTE = 1.25  # segmented attention pads a group by at most 25% of its real cells (`segments._group`)
@@ -268,7 +269,13 @@ def activation_bytes_per_token(model, itemsize: int) -> int:
     heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 1))
     kv = h * int(getattr(cfg, "num_key_value_heads", heads) or heads) // max(heads, 1)
     layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg, "n_layer", 1))
-    return layers * (9 * h + 2 * kv + 3 * i) * itemsize
+    return block_activation_bytes(h, i, kv, layers, itemsize)
+
+
+def block_activation_bytes(hidden: int, intermediate: int, kv_width: int, layers: int, itemsize: int) -> int:
+    """`activation_bytes_per_token` from the dimensions: layers x (9 hidden + 2 kv_width + 3 intermediate) x
+    itemsize."""
+    return layers * (9 * hidden + 2 * kv_width + 3 * intermediate) * itemsize
 
 
 def auto_tokens_per_pass(model, device, itemsize: int) -> int:

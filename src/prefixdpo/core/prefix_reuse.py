@@ -7,11 +7,12 @@ attention); the subtrees after it (the responses, or subtrees of a trie) run in
 *chunks* of whole subtrees, each chunk's queries attending the prefix's cached keys and values and their own by the
 line's span rule. The hidden states are those of the one-row pass, token for token, so every loss and gradient is.
 
-Under gradient each chunk is an activation checkpoint (`torch.utils.checkpoint`, non-reentrant): its forward keeps
-only its inputs (the prefix's K/V, shared by every chunk) and its output (its hidden states), and backward
-recomputes one chunk at a time, so what is alive is the prefix's activations plus one chunk's. The prefix's K/V
-gradients are summed over the chunks by autograd, and one backward through the prefix finishes the pass. The price
-is one more forward of the suffix tokens (not of the prefix). Without gradient (a reference pass) nothing is
+Under gradient each chunk but the last is an activation checkpoint (`torch.utils.checkpoint`, non-reentrant): its
+forward keeps only its output (its hidden states; the prefix's K/V it reads are kept anyway), and backward, which
+starts with the last chunk (kept whole), recomputes the others one at a time, so what is alive is the prefix's
+activations plus one chunk's. The prefix's K/V gradients are summed over the chunks by autograd, and one backward
+through the prefix finishes the pass. The price is one more forward of the suffix tokens but the last chunk's (not
+of the prefix). Without gradient (a reference pass) nothing is
 recomputed: the prefix runs once, each chunk once.
 
 The plan (`core.attention.reuse_plan`: the prefix, the chunks) stands where the batch's attention mask stands, so
@@ -77,7 +78,7 @@ def reused_hidden_states(model, inner_forward, input_ids: torch.Tensor, position
         hidden, out = decoder_output(model, inner_forward, input_ids=ids[:, :p], position_ids=pos[:, :p],
                                      attention_mask=mask)
         parts = [_with_zero_path(hidden, out)[0]]
-        for start, end in plan.chunks:
+        for k, (start, end) in enumerate(plan.chunks):
             chunk_mask = batch_attention_mask(_chunk_spans(line_spans, p, start, end), reuse.backend, queries_from=p,
                                               **options)
             chunk_mask = with_prefix_kv(chunk_mask, prefix_kv.prepended())
@@ -87,8 +88,10 @@ def reused_hidden_states(model, inner_forward, input_ids: torch.Tensor, position
                                              position_ids=pos[:, start:end], attention_mask=mask)
                 return _with_zero_path(hidden, out)[0]
 
-            # under gradient, the chunk's activations are recomputed in backward (module docstring)
-            parts.append(checkpoint(chunk, use_reentrant=False) if torch.is_grad_enabled() else chunk())
+            # under gradient, a chunk's activations are recomputed in backward (module docstring), but the last one's:
+            # backward starts with it, so keeping them costs no more than recomputing one chunk at a time
+            last = k == len(plan.chunks) - 1
+            parts.append(checkpoint(chunk, use_reentrant=False) if torch.is_grad_enabled() and not last else chunk())
         line = torch.cat(parts)
         lines[b] = torch.nn.functional.pad(line, (0, 0, 0, L - line.shape[0]))
     return torch.stack(lines)

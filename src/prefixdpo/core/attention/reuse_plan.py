@@ -65,6 +65,22 @@ def plan_line(spans: torch.Tensor, line: int, max_tokens: int) -> LinePlan | Non
     return LinePlan(line, p, tuple((a, b) for a, b in chunks))
 
 
+def reused_tokens(prompt: int, responses: list[int], max_tokens: int) -> int:
+    """The most tokens whose activations a prefix-reused prompt of `prompt` tokens with responses of `responses`
+    tokens keeps at once: the prompt and its largest chunk (`plan_line`'s chunks, from lengths); the whole row when
+    it fits `max_tokens`."""
+    total = prompt + sum(responses)
+    if total <= max_tokens:
+        return total
+    chunks: list[int] = []
+    for n in responses:
+        if chunks and chunks[-1] + n <= max_tokens:
+            chunks[-1] += n
+        else:
+            chunks.append(n)
+    return prompt + max(chunks)
+
+
 def plan_reuse(spans: torch.Tensor, max_tokens: int, backend: str, segment_waste: float = 0.25) -> PrefixReuse | None:
     """The `PrefixReuse` of [B, L, 2] spans, or None when every line fits `max_tokens` (one ordinary pass)."""
     if max_tokens < 1:
@@ -75,4 +91,4 @@ def plan_reuse(spans: torch.Tensor, max_tokens: int, backend: str, segment_waste
     return PrefixReuse(plans, backend, segment_waste)
 
 
-__all__ = ["LinePlan", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse"]
+__all__ = ["LinePlan", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse", "reused_tokens"]
