@@ -422,9 +422,9 @@ def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
     masks, made = [], []
     real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
 
-    def counted_mask(spans):
+    def counted_mask(spans, queries_from=0):
         masks.append(spans.shape[:2])
-        return real_mask(spans)
+        return real_mask(spans, queries_from)
 
     monkeypatch.setattr(backends, "dense_mask", counted_mask)
     monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])

@@ -121,7 +121,7 @@ def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, setti
 GROUP_SEGMENT_WASTE = 0.1
 
 
-def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str, tokens_per_pass: int | None):
+def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str, tokens_per_pass: int | None = None):
     """The attention mask of lines [start, end) for `backend` (a `PrefixReuse` plan for a line over
     `tokens_per_pass`), built once per layout (`GroupLines.masks`)."""
     key = (start, end, backend, tokens_per_pass)
