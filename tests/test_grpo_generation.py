@@ -187,7 +187,7 @@ def test_trainer_completions_equal_trl_float64(method, model_dir, tmp_path, capl
     theirs_cls, ours_cls = ((GRPOTrainer, GRPOConfig), (PrefixGRPOTrainer, PrefixGRPOConfig)) if method == "grpo" \
         else ((RLOOTrainer, RLOOConfig), (PrefixRLOOTrainer, PrefixRLOOConfig))
     theirs, _ = run_trainer(*theirs_cls, model_dir, tmp_path / "trl", beta=0.0)
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.grpo"):
         ours, logs = run_trainer(*ours_cls, model_dir, tmp_path / "ours", beta=0.0)
     assert not [r for r in caplog.records if "shared-prompt generation" in r.getMessage()]
     assert len(theirs) == 3 and theirs == ours
@@ -203,7 +203,7 @@ def test_trainer_falls_back_to_trl_generate_and_says_why(model_dir, tmp_path, ca
 
     theirs, _ = run_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", steps=2, beta=0.0,
                             cache_implementation="static")
-    with caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.grpo"):
         ours, logs = run_trainer(PrefixGRPOTrainer, PrefixGRPOConfig, model_dir, tmp_path / "ours", steps=2,
                                  beta=0.0, cache_implementation="static")
     said = [r.getMessage() for r in caplog.records if "shared-prompt generation" in r.getMessage()]

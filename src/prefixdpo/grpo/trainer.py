@@ -52,7 +52,7 @@ from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.training.options import RunSafetyOptions
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
-from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed
+from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
 
@@ -222,64 +222,6 @@ class PrefixSharedLogps:
         return records_fingerprint(data, names)
 
 
-class SharedPromptGeneration:
-    """TRL's transformers generation with each unique prompt prefilled once (`generation.py`), mixed in before the TRL
-    class. TRL's `_generate_single_turn` runs unchanged (tokenizing, left padding, its unwrap and gather contexts, the
-    EOS mask after generation); only its one `unwrapped_model.generate(**inputs, generation_config=...)` call is
-    routed, for the duration of that method, to `generation.SharedPromptRoute`, which computes the same sequences or
-    makes TRL's call, saying once why. vLLM and transformers' continuous batching are TRL's paths untouched."""
-
-    def _setup_shared_generation(self) -> None:
-        self._generation_fallbacks: set[str] = set()
-        self._generation_route = SharedPromptRoute(self._note_generation_fallback)
-        if self._option("shared_prompt_generation") and getattr(self, "use_vllm", False):
-            _say_vllm_prefix_caching(self)
-
-    def _generate_single_turn(self, *args, **kwargs):
-        if (not self._option("shared_prompt_generation") or getattr(self, "use_vllm", False)
-                or getattr(self, "use_transformers_continuous_batching", False)):
-            return super()._generate_single_turn(*args, **kwargs)
-        # the object TRL's `unwrap_model_for_generation` yields and calls `generate` on
-        model = self.accelerator.unwrap_model(self.model_wrapped)
-        with generate_routed(model, self._generation_route):
-            return super()._generate_single_turn(*args, **kwargs)
-
-    def _note_generation_fallback(self, reason: str) -> None:
-        if reason not in self._generation_fallbacks:
-            self._generation_fallbacks.add(reason)
-            logger.warning("shared-prompt generation: %s; such generate calls run as TRL makes them (said once)",
-                           reason)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every rank logs at the same steps: a safe point to sum the counts.
-        count = self._generation_route.count
-        if self._option("shared_prompt_generation"):
-            mode = "train" if self.model.training else "eval"
-            trl, ran = self.accelerator.reduce(torch.tensor(
-                [count.trl_tokens, count.ran_tokens], dtype=torch.float64, device=self.accelerator.device),
-                reduction="sum").tolist()
-            if trl > 0:  # prompt tokens TRL's generate prefills vs those the shared prefill ran
-                self._metrics[mode]["prefix_sharing/prefill_tokens_saved"].append(1.0 - ran / trl)
-        count.trl_tokens = count.ran_tokens = 0
-        super().log(logs, start_time)
-
-
-def _say_vllm_prefix_caching(trainer) -> None:
-    """With use_vllm, TRL's generation is vLLM's: say what shares the prompts there, and warn if nothing does."""
-    if trainer.args.vllm_mode == "server":
-        logger.info("use_vllm (server): TRL sends each prompt once with n=num_generations; shared_prompt_generation "
-                    "has nothing to do")
-        return
-    engine = getattr(getattr(getattr(trainer, "vllm_generation", None), "llm", None), "llm_engine", None)
-    config = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
-    enabled = getattr(config, "enable_prefix_caching", None)
-    if enabled is False:
-        logger.warning("use_vllm (colocate): vLLM's prefix caching is off, so each of a prompt's num_generations "
-                       "copies is prefilled; vLLM's default (on) computes a prompt's KV blocks once")
-    elif enabled is None:
-        logger.info("use_vllm (colocate): could not read whether vLLM's prefix caching is on (its default is on)")
-
-
 class EpochRepeatSampler(RepeatSampler):
     """TRL's `RepeatSampler` with `set_epoch`: epoch e's prompt order is the one TRL's sampler draws in its
     (e+1)-th pass (the generator re-seeded, e permutations drawn and dropped), so a run resumed in epoch e
@@ -303,27 +245,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, GuardedRewards, SurvivingRun, GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation,
-    reward functions that cannot end a run silently wrong (`GuardedRewards`), and runs that survive
-    (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
         self._setup_shared_generation()
+        self._setup_shared_scoring()
         self._guard_reward_funcs()
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, GuardedRewards, SurvivingRun, RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation,
-    reward functions that cannot end a run silently wrong (`GuardedRewards`), and runs that survive
-    (`SurvivingRun`)."""
+class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
         self._setup_shared_generation()
+        self._setup_shared_scoring()
         self._guard_reward_funcs()
         self._init_survival()
