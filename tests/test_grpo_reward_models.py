@@ -125,3 +125,18 @@ def test_trainer_reward_model_scores_equal_trl_float64(method, model_dir, tmp_pa
         for key in keys:
             a, b = step_t[key], step_o[key]
             assert abs(a - b) <= 1e-9 * max(1.0, abs(a)), (key, a, b)
+
+
+def test_reward_funcs_name_a_reward_model(tmp_path):
+    from prefixdpo.errors import ConfigError
+    from prefixdpo.grpo.rewards import resolve_rewards
+
+    folder = tmp_path / "rm"
+    tiny_reward_model().save_pretrained(folder)
+    rewards = resolve_rewards([str(folder), "org/reward-model", "think_format_reward"], None)
+    assert rewards[:2] == [str(folder), "org/reward-model"] and callable(rewards[2])  # TRL loads the names
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="without a saved model"):
+        resolve_rewards([str(tmp_path / "empty")], None)
+    with pytest.raises(ConfigError, match="no module named"):
+        resolve_rewards(["no_such_module:f"], None)

@@ -140,8 +140,10 @@ class GroupScriptArguments(ScriptArguments):
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": f"Reward functions: TRL's {', '.join(TRL_REWARD_NAMES)} (get_soft_overlong_punishment with "
-                          "TRL's max_completion_len=1280, soft_punish_cache=256), or module:function / "
-                          "module.function (a module on the Python path or in the current folder)."},
+                          "TRL's max_completion_len=1280, soft_punish_cache=256), module:function / "
+                          "module.function (a module on the Python path or in the current folder), or a reward "
+                          "model: a folder with a saved model or a hub id org/name (scored prefix-shared, see "
+                          "shared_prompt_scoring)."},
     )
     max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip (counted)."})

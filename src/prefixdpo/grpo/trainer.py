@@ -1,9 +1,13 @@
 """`PrefixGRPOTrainer` / `PrefixRLOOTrainer`: TRL 1.16's `GRPOTrainer` / `RLOOTrainer` whose per-token log-prob
-passes run on prefix-shared rows.
+passes run on prefix-shared rows, whose transformers generation prefills each prompt once, and whose reward models
+score each prompt's completions on one shared line.
 
-Everything else is TRL's own code: generation, reward functions and models, advantages, every loss type,
-clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Only the one method
-through which TRL computes *every* log-prob pass is replaced, `_get_per_token_logps_and_entropies`:
+Everything else is TRL's own code: the generation loop and its config, reward functions, advantages, every loss
+type, clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Generation and reward
+models are each one call routed inside TRL's own method (`rollout.py`: `generate` in `_generate_single_turn`, the
+reward model's forward in `_calculate_rewards`; options `shared_prompt_generation`, `shared_prompt_scoring`). For
+the log-probs, only the one method through which TRL computes *every* pass is replaced,
+`_get_per_token_logps_and_entropies`:
 
 - It is the narrowest point that sees all three passes (the policy with gradient in `_compute_loss`, the
   old policy and the reference in `_generate_and_score_completions`), in both trainers, with one contract:
