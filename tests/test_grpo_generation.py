@@ -134,6 +134,7 @@ def test_why_not_shared_names_each_inexact_case():
     dropout = tiny_causal_lm(attention_dropout=0.1).train()
     assert "dropout" in why_not_shared(dropout, plain, inputs)
     assert why_not_shared(dropout.eval(), plain, inputs) is None
+    assert "random numbers" in why_not_shared(tiny_causal_lm(router_jitter_noise=0.1).train(), plain, inputs)
     windowed = tiny_causal_lm("mistral", sliding_window=4)
     assert "sliding window of 4" in why_not_shared(windowed, plain, inputs)
 

@@ -25,7 +25,8 @@ prefix (cascade / Hydragen), which transformers' cache layers do not do.
 
 Where this cannot be exact it is not used, and the reason is returned (`why_not_shared`): a model or cache whose
 state is not per-token keys and values (linear attention, quantized or static caches), a prompt longer than a
-sliding window, beam search or assisted decoding, inputs besides token ids (images), active dropout.
+sliding window, beam search or assisted decoding, inputs besides token ids (images), a forward that draws random
+numbers (dropout or MoE router jitter in training mode).
 """
 
 from __future__ import annotations
@@ -78,15 +79,19 @@ def cache_kwarg(model) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def _dropout_active(model) -> bool:
-    """Whether a forward of `model` draws random numbers (dropout in training mode): the prefill's different batch
-    shape would then draw differently from TRL's and change every later sample."""
+# config fields of random draws a forward makes in training mode besides `nn.Dropout` modules
+_RANDOM_IN_TRAINING = ("attention_dropout", "attn_pdrop", "router_jitter_noise")
+
+
+def _draws_random_numbers(model) -> bool:
+    """Whether a forward of `model` draws random numbers (dropout, MoE router jitter, in training mode): the
+    prefill's different batch shape would then draw differently from TRL's and change every later sample."""
     if not model.training:
         return False
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in model.modules()):
         return True
     cfg = text_config(base_model(model))
-    return any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in ("attention_dropout", "attn_pdrop"))
+    return any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in _RANDOM_IN_TRAINING)
 
 
 def why_not_shared(model, generation_config, inputs: dict) -> str | None:
@@ -123,8 +128,9 @@ def why_not_shared(model, generation_config, inputs: dict) -> str | None:
         return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
     if inputs["input_ids"].shape[1] < 2:
         return "the prompts are one column wide (nothing before the last token to prefill)"
-    if _dropout_active(model):
-        return "dropout is active in the model during generation (its random draws depend on the batch shape)"
+    if _draws_random_numbers(model):
+        return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
+                "training mode), which depend on the batch shape")
     return None
 
 

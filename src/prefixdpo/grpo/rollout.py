@@ -18,7 +18,7 @@ import torch
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.model_checks import prepare_model
-from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed
+from prefixdpo.grpo.generation import PrefillCount, SharedPromptRoute, generate_routed
 from prefixdpo.grpo.reward_models import SharedPrefixScorer
 from prefixdpo.reward.scores import score_head
 
@@ -35,6 +35,7 @@ class SharedPromptGeneration:
     def _setup_shared_generation(self) -> None:
         self._generation_fallbacks: set[str] = set()
         self._generation_route = SharedPromptRoute(self._note_generation_fallback)
+        self._prefill_counts = {mode: PrefillCount() for mode in ("train", "eval")}
         if self._option("shared_prompt_generation") and getattr(self, "use_vllm", False):
             _say_vllm_prefix_caching(self)
 
@@ -44,6 +45,10 @@ class SharedPromptGeneration:
             return super()._generate_single_turn(*args, **kwargs)
         # the object TRL's `unwrap_model_for_generation` yields and calls `generate` on
         model = self.accelerator.unwrap_model(self.model_wrapped)
+        if "generate" in vars(model):  # a custom_generate the model brought: not transformers' own loop
+            self._note_generation_fallback("the model has its own generate (a custom_generate)")
+            return super()._generate_single_turn(*args, **kwargs)
+        self._generation_route.count = self._prefill_counts["train" if self.model.training else "eval"]
         with generate_routed(model, self._generation_route):
             return super()._generate_single_turn(*args, **kwargs)
 
@@ -55,9 +60,9 @@ class SharedPromptGeneration:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every rank logs at the same steps: a safe point to sum the counts.
-        count = self._generation_route.count
+        mode = "train" if self.model.training else "eval"
+        count = self._prefill_counts[mode]
         if self._option("shared_prompt_generation"):
-            mode = "train" if self.model.training else "eval"
             trl, ran = self.accelerator.reduce(torch.tensor(
                 [count.trl_tokens, count.ran_tokens], dtype=torch.float64, device=self.accelerator.device),
                 reduction="sum").tolist()
