@@ -219,3 +219,22 @@ def test_trainer_option_off_runs_trl_generate(model_dir, tmp_path):
     _, logs = run_trainer(PrefixGRPOTrainer, PrefixGRPOConfig, model_dir, tmp_path / "off", steps=1, beta=0.0,
                           shared_prompt_generation=False)
     assert not any("prefix_sharing/prefill_tokens_saved" in step for step in logs)
+
+
+def test_use_vllm_says_what_shares_the_prompts(caplog):
+    """With use_vllm nothing is routed; the start says whether vLLM's prefix caching shares the G copies."""
+    from types import SimpleNamespace as NS
+
+    from prefixdpo.grpo.rollout import _say_vllm_prefix_caching
+
+    def trainer(mode, caching):
+        config = NS(cache_config=NS(enable_prefix_caching=caching))
+        return NS(args=NS(vllm_mode=mode), vllm_generation=NS(llm=NS(llm_engine=NS(vllm_config=config))))
+
+    with caplog.at_level(logging.INFO, logger="prefixdpo.grpo"):
+        _say_vllm_prefix_caching(trainer("colocate", False))
+        _say_vllm_prefix_caching(trainer("colocate", True))
+        _say_vllm_prefix_caching(trainer("server", None))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0][0] == "WARNING" and "prefix caching is off" in said[0][1]
+    assert len(said) == 2 and "sends each prompt once with n=num_generations" in said[1][1]

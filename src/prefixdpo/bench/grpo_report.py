@@ -171,7 +171,7 @@ def run_group_bench(args, *, threads: int) -> int:
                        f"by a reward model of the policy's shape ({type(reward_model).__name__}, random), the "
                        "training part above; TRL's calls vs prefixdpo's (shared-prompt prefill, prefix-shared "
                        "scoring, shared-packed passes), interleaved call by call"),
-        "timing": (f"{time.perf_counter() - start:.0f} s; steps and generation timed by {args.clock} clock "
+        "timing": (f"{time.perf_counter() - start:.0f} s; steps, generation and scoring timed by {args.clock} clock "
                    f"({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); "
                    f"torch {torch.__version__}"),
     }
