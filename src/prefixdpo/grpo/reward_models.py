@@ -23,7 +23,8 @@ import torch
 from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.data.example import Example
 from prefixdpo.data.packing import auto_pack_length
-from prefixdpo.data.tree import build_tree_batch, plan_tree_lines
+from prefixdpo.data.lines import bucket_length
+from prefixdpo.data.tree import build_tree_batch, plan_tree_lines, tree_line
 from prefixdpo.reward.scores import compute_response_scores
 
 
@@ -77,8 +78,12 @@ def shared_reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.T
     else:
         length = auto_pack_length(sizes) if pack_length == "auto" else max(int(pack_length), max(sizes))
         lines = plan_tree_lines(examples, length).lines
+    length = None
+    if backend in ("flex", "varlen"):  # compiled kernels: a few line lengths, as the log-prob passes bucket them
+        length = bucket_length(max(len(tree_line([examples[e] for e in line])) for line in lines))
     pad = getattr(model.config, "pad_token_id", None)
-    batch = build_tree_batch(examples, lines, pad_token_id=0 if pad is None else int(pad)).to(input_ids.device)
+    batch = build_tree_batch(examples, lines, pad_token_id=0 if pad is None else int(pad), length=length)
+    batch = batch.to(input_ids.device)
     scores = compute_response_scores(model, batch, batch_attention_mask(batch, backend))  # [R], example by example
     out = torch.empty(input_ids.shape[0], dtype=scores.dtype, device=scores.device)
     r = 0
