@@ -241,8 +241,8 @@ def whole_step_lines(steps: list[WholeStep]) -> list[str]:
                      + f" | {w.seconds('trl'):.3f} -> {w.seconds('ours'):.3f} | **{w.speedup:.2f}x** | "
                      f"{w.ideals['whole_step']:.2f} | {w.achieved_over_ideal:.2f} |")
     lines += ["", "| profile | TRL: generation / scoring / training share | prefixdpo: shares | prefill alone "
-              "(ideal) | generation peak MB | same tokens as TRL (same seed) | decode ideal with shared-prefix KV reads "
-              "(cascade, not built) |", "|---|---|---|---|---|---|---|"]
+              "(ideal) | generation peak MB | same tokens as TRL (same seed) | decode ideal with shared-prefix KV "
+              "reads (cascade, not built) |", "|---|---|---|---|---|---|---|"]
     for w in steps:
         shares = {side: " / ".join(f"{w.share(p, side):.0%}" for p in PHASES) for side in ("trl", "ours")}
         lines.append(f"| {w.profile} | {shares['trl']} | {shares['ours']} | {w.prefill.trl:.3f} -> "
