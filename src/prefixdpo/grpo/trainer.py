@@ -1,9 +1,13 @@
 """`PrefixGRPOTrainer` / `PrefixRLOOTrainer`: TRL 1.16's `GRPOTrainer` / `RLOOTrainer` whose per-token log-prob
-passes run on prefix-shared rows.
+passes run on prefix-shared rows, whose transformers generation prefills each prompt once, and whose reward models
+score each prompt's completions on one shared line.
 
-Everything else is TRL's own code: generation, reward functions and models, advantages, every loss type,
-clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Only the one method
-through which TRL computes *every* log-prob pass is replaced, `_get_per_token_logps_and_entropies`:
+Everything else is TRL's own code: the generation loop and its config, reward functions, advantages, every loss
+type, clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Generation and reward
+models are each one call routed inside TRL's own method (`rollout.py`: `generate` in `_generate_single_turn`, the
+reward model's forward in `_calculate_rewards`; options `shared_prompt_generation`, `shared_prompt_scoring`). For
+the log-probs, only the one method through which TRL computes *every* pass is replaced,
+`_get_per_token_logps_and_entropies`:
 
 - It is the narrowest point that sees all three passes (the policy with gradient in `_compute_loss`, the
   old policy and the reference in `_generate_and_score_completions`), in both trainers, with one contract:
@@ -52,6 +56,7 @@ from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
+from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
 
@@ -250,23 +255,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, GuardedRewards, SurvivingRun, GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, reward functions that
-    cannot end a run silently wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._setup_shared_generation()
+        self._setup_shared_scoring()
         self._guard_reward_funcs()
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, GuardedRewards, SurvivingRun, RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, reward functions that
-    cannot end a run silently wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._setup_shared_generation()
+        self._setup_shared_scoring()
         self._guard_reward_funcs()
         self._init_survival()
