@@ -45,21 +45,62 @@ def no_progress_bars():
         logging.enable_progress_bar()
 
 
-def preempt_after(process, line_prefix: str, lines: int) -> tuple[str, str, int]:
-    """SIGTERM `process` (a run with text stdout/stderr pipes) once its stdout has shown `lines` lines starting with
-    `line_prefix`; -> (stdout, stderr, the step its error says it was preempted at). It must exit non-zero."""
+def preempt_after(process, line_prefix: str, lines: int, sig=None, said: str = "preempted at step ") \
+        -> tuple[str, str, int]:
+    """Send `sig` (default SIGTERM) to `process` (a run with text stdout/stderr pipes) once its stdout has shown
+    `lines` lines starting with `line_prefix`; -> (stdout, stderr, the step its error says it stopped at: the
+    number after `said`). It must exit non-zero."""
     import signal
 
     seen = 0
     for line in process.stdout:
         seen += line.startswith(line_prefix)
         if seen == lines:
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM if sig is None else sig)
             break
     out, err = process.communicate(timeout=300)
     assert process.returncode != 0
-    assert "preempted at step" in err, err[-3000:]
-    return out, err, int(err.split("preempted at step ")[1].split()[0])
+    assert said in err, err[-3000:]
+    return out, err, int(err.split(said)[1].split()[0])
+
+
+# how a faulty run of the survival drivers ends, by its fault point (any other point is a SIGKILL)
+FAULT_EXIT_CODES = {"sigterm": 75, "sigusr1": 75, "sigint": 130, "sigint_twice": 130}
+
+
+def run_fault_trials(driver: str, workdir, trials: list[dict], env: dict, *driver_args: str) -> tuple[dict, str]:
+    """Run a survival driver (tests/survival_driver.py, tests/grpo_survival_driver.py) over `trials` and check every
+    trial: the faulty run ended as its fault does, left the checkpoint `expect` complete and none newer, the resume
+    with `latest` chose it and ended on the uninterrupted run's weights (within K_FORWARD eps of the weights' scale,
+    `tolerances.weights_scale`: the same arithmetic replayed, so the difference is 0 unless a step was lost or
+    replayed differently). -> (the driver's result, its stderr)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tolerances import K_FORWARD, assert_small
+
+    here = Path(__file__).resolve().parent
+    (Path(workdir) / "trials.json").write_text(json.dumps(trials))
+    result = Path(workdir) / "result.json"
+    proc = subprocess.run([sys.executable, str(here / driver), str(workdir), str(Path(workdir) / "trials.json"),
+                           str(result), *driver_args], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    outcome = json.loads(result.read_text())
+    assert outcome["reference_moved"] > 1e-3  # training moved the weights: equal end weights mean something
+    rows = outcome["trials"]
+    assert len(rows) == len(trials)
+    for row in rows:
+        assert row["faulty_code"] == FAULT_EXIT_CODES.get(row["point"], -signal.SIGKILL), row
+        assert f"checkpoint-{row['expect']}" in row["complete_after_fault"], row
+        assert all(int(c.split("-")[1]) <= row["expect"] for c in row["complete_after_fault"]), row
+        assert row["chosen"] == f"checkpoint-{row['expect']}", row
+        assert row["resume_code"] == 0, row
+        # the same steps replayed from a complete checkpoint: a few ulps of the weights' scale at most
+        assert_small(row["max_weight_diff"], outcome["weights_scale"], k=K_FORWARD, what=str(row))
+    return outcome, proc.stderr
 
 
 def finish_ranks(rank: int, out_dir: str, results) -> None:
@@ -134,6 +175,16 @@ def make_examples(n: int, seed: int = 0, ks=(2,)):
 @pytest.fixture
 def examples():
     return random_examples()
+
+
+def free_port() -> str:
+    """A TCP port free right now, for `torchrun --master_port` (a fixed number collides when two pytest-xdist workers,
+    or two checkouts' suites, launch at once)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900):

@@ -2,7 +2,7 @@
 points, then resumed with `--resume_from_checkpoint latest` (the faults of `survival_driver.py`, patched into
 `SurvivingRun`, which the GRPO/RLOO trainers share with the DPO ones).
 
-    python tests/grpo_survival_driver.py WORKDIR TRIALS_JSON RESULT_JSON
+    python tests/grpo_survival_driver.py WORKDIR TRIALS_JSON RESULT_JSON [grpo|rloo]
 
 WORKDIR holds `model/` (a tiny model and its tokenizer) and `prompts.jsonl`. The result file lists, per trial, how
 the faulty run ended, the complete checkpoints it left, which one the resume chose, the resume's exit code and the
@@ -24,8 +24,8 @@ MAX_STEPS = 6
 SAVE_STEPS = 2
 
 
-def command(workdir: str, out: str, resume: bool) -> list[str]:
-    argv = ["grpo", "--model", os.path.join(workdir, "model"), "--dataset", os.path.join(workdir, "prompts.jsonl"),
+def command(workdir: str, out: str, resume: bool, method: str = "grpo") -> list[str]:
+    argv = [method, "--model", os.path.join(workdir, "model"), "--dataset", os.path.join(workdir, "prompts.jsonl"),
             "--reward_funcs", "prefixdpo.demo_grpo:vowel_share", "--num_generations", "4",
             "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", str(MAX_STEPS),
             "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--save_total_limit", "2",
@@ -34,10 +34,10 @@ def command(workdir: str, out: str, resume: bool) -> list[str]:
     return argv + (["--resume_from_checkpoint", "latest"] if resume else [])
 
 
-def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
-    faults.run_trials(workdir, trials, result_path, command, os.path.join(workdir, "model", "model.safetensors"),
-                      SurvivingRun)
+def main_driver(workdir: str, trials: list[dict], result_path: str, method: str = "grpo") -> None:
+    faults.run_trials(workdir, trials, result_path, lambda *a, **kw: command(*a, **kw, method=method),
+                      os.path.join(workdir, "model", "model.safetensors"), SurvivingRun)
 
 
 if __name__ == "__main__":
-    main_driver(sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3])
+    main_driver(sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], *sys.argv[4:])

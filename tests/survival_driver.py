@@ -1,7 +1,7 @@
-"""Fault trials for tests/test_survival.py: `prefixdpo train` killed (SIGKILL) or preempted (SIGTERM/SIGUSR1) at
-chosen points, then resumed with `--resume_from_checkpoint latest`.
+"""Fault trials for tests/test_survival.py: `prefixdpo train` killed (SIGKILL), preempted (SIGTERM/SIGUSR1) or
+interrupted (Ctrl-C, once or twice) at chosen points, then resumed with `--resume_from_checkpoint latest`.
 
-    python tests/survival_driver.py WORKDIR TRIALS_JSON RESULT_JSON
+    python tests/survival_driver.py WORKDIR TRIALS_JSON RESULT_JSON [train|reward]
 
 Each trial forks a child that runs the command line in-process with a fault injected by monkeypatching (the
 fault is the test's, not the product's), then a second child that resumes. Forking after the imports keeps a
@@ -34,14 +34,16 @@ MAX_STEPS = 12
 SAVE_STEPS = 3
 
 
-def command(workdir: str, out: str, resume: bool) -> list[str]:
-    argv = ["train", "--model", os.path.join(workdir, "base", "model"),
+def command(workdir: str, out: str, resume: bool, method: str = "train") -> list[str]:
+    """`prefixdpo train` (DPO, bco_pair) or `prefixdpo reward` (a Bradley-Terry reward model) on the tiny base."""
+    argv = [method, "--model", os.path.join(workdir, "base", "model"),
             "--dataset", os.path.join(workdir, "base", "train.jsonl"), "--output_dir", out,
             "--max_steps", str(MAX_STEPS), "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS),
-            "--save_total_limit", "2", "--loss_type", "bco_pair", "--learning_rate", "3e-3", "--optim", "adamw_torch",
+            "--save_total_limit", "2", "--learning_rate", "3e-3", "--optim", "adamw_torch",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
             "--lr_scheduler_type", "linear", "--logging_steps", "1", "--seed", "3", "--bf16", "false",
             "--gradient_checkpointing", "false", "--disable_tqdm", "true", "--report_to", "none"]
+    argv += ["--loss_type", "bco_pair"] if method == "train" else []
     return argv + (["--resume_from_checkpoint", "latest"] if resume else [])
 
 
@@ -56,17 +58,28 @@ def inject(point: str, step: int, trainer_class=PrefixTrainerBase) -> None:
     def step_of(trainer):
         return trainer.state.global_step
 
-    if point in ("mid_step", "sigterm", "sigusr1"):
+    if point in ("mid_step", "sigterm", "sigusr1", "sigint", "sigint_twice"):
         original = trainer_class.training_step
+        sent = {"signal": signal.SIGINT if point.startswith("sigint") else
+                signal.SIGTERM if point == "sigterm" else signal.SIGUSR1}
 
         def training_step(self, *args, **kwargs):
-            if step_of(self) == step - 1:  # inside step `step` (global_step counts finished steps)
+            if step_of(self) == step - 1 and sent:  # inside step `step` (global_step counts finished steps)
                 if point == "mid_step":
                     kill_now()
-                os.kill(os.getpid(), signal.SIGTERM if point == "sigterm" else signal.SIGUSR1)
+                os.kill(os.getpid(), sent.pop("signal"))  # once (a step has several micro-batches)
             return original(self, *args, **kwargs)
 
         trainer_class.training_step = training_step
+        if point == "sigint_twice":  # the second Ctrl-C while the step's checkpoint is being written
+            original_save = trainer_class.save_model
+
+            def save_model(self, output_dir=None, _internal_call=False):
+                original_save(self, output_dir, _internal_call)
+                if _internal_call and step_of(self) == step:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            trainer_class.save_model = save_model
     elif point == "between_steps":
         original = Trainer._maybe_log_save_evaluate
 
@@ -217,9 +230,10 @@ def run_trials(workdir: str, trials: list[dict], result_path: str, command, star
     assert run_child(lambda: main(command(workdir, reference_out, resume=False))) == 0
     reference = final_weights(reference_out)
     start = safetensors.torch.load_file(start_weights)
-    moved = max(float((reference[k] - start[k]).abs().max()) for k in reference)
+    moved = max(float((reference[k] - start[k]).abs().max()) for k in reference if k in start)  # a reward model:
+    # the causal LM's body
     # the scale the runs' weights carry rounding in (`tolerances.weights_scale`)
-    scale = max(float(start[k].abs().max()) for k in reference) + moved
+    scale = max(float(start[k].abs().max()) for k in reference if k in start) + moved
     results = []
     for i, trial in enumerate(trials):
         out = os.path.join(workdir, f"trial-{i}")
@@ -250,9 +264,10 @@ def run_trials(workdir: str, trials: list[dict], result_path: str, command, star
         json.dump({"reference_moved": moved, "weights_scale": scale, "trials": results}, fh, indent=1)
 
 
-def main_driver(workdir: str, trials: list[dict], result_path: str) -> None:
-    run_trials(workdir, trials, result_path, command, os.path.join(workdir, "base", "model", "model.safetensors"))
+def main_driver(workdir: str, trials: list[dict], result_path: str, method: str = "train") -> None:
+    run_trials(workdir, trials, result_path, lambda *a, **kw: command(*a, **kw, method=method),
+               os.path.join(workdir, "base", "model", "model.safetensors"))
 
 
 if __name__ == "__main__":
-    main_driver(sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3])
+    main_driver(sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], *sys.argv[4:])

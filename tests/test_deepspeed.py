@@ -28,6 +28,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from conftest import free_port
 from prefixdpo.core.engines_deepspeed import reference_deepspeed_config
 from tolerances import assert_same_dpo_log, assert_within, weights_scale
 
@@ -113,8 +114,7 @@ def _run(tmp_path, engine: str) -> dict:
     if engine == "none":
         cmd = [sys.executable, str(script), str(out), engine]
     else:
-        port = {"zero2": "29531", "zero3": "29532"}[engine]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
                str(script), str(out), engine]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -4,11 +4,12 @@
    when the data does not split evenly over the ranks (7 examples over 2 ranks unpacked: rank 1 runs an
    empty slot; 5 packed examples: a zero-weight batch). Losses and rewards within K_FORWARD eps x beta x the log-prob
    sums' scale, weights within K eps x `weights_scale` (fp32, SGD; `tolerances`).
-2. Every loss: one optimizer step over the same 8 examples (K = 2 and 3 responses) laid out four ways —
-   unpacked in one micro-batch, packed, 2 micro-batches of gradient accumulation, 2 gloo ranks — gives the
-   same loss (within K_FORWARD eps x (1 + loss) x the sums' scale: every loss of the table is logistic or linear
-   in margins of the sums with slope <= beta <= 1, or a square, slope 2 sqrt(L) <= 1 + L) and the same gradient
-   (the SGD update, within K eps of its largest entry).
+2. Every loss: one optimizer step over the same 8 examples (K = 2 and 3 responses) laid out six ways —
+   unpacked in one micro-batch, packed, 2 micro-batches of gradient accumulation, 2 gloo ranks, and prefix reuse
+   (every prompt once, its responses in chunks against its K/V) in one process and over 2 gloo ranks (sigmoid and
+   the coupled sft, bco_pair and aot) — gives the same loss (within K_FORWARD eps x (1 + loss) x the sums' scale:
+   every loss of the table is logistic or linear in margins of the sums with slope <= beta <= 1, or a square, slope
+   2 sqrt(L) <= 1 + L) and the same gradient (the SGD update, within K eps of its largest entry).
    The reference differs from the policy, so margins are spread out and sorting losses (aot) see no ties.
 """
 
@@ -35,6 +36,8 @@ SCRIPT = textwrap.dedent(
     gc.freeze()  # Trainer.train runs gc.collect(); everything imported so far need not be scanned again each time
     out_dir, job = sys.argv[1], sys.argv[2]
     LR = 100.0
+    # prefix reuse over 2 ranks: the plain loss and those coupled across the step's pairs (every loss in one process)
+    RANKS_REUSED_LOSSES = ("sigmoid", "sft", "bco_pair", "aot")
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     def args(name, **kw):
@@ -60,11 +63,14 @@ SCRIPT = textwrap.dedent(
             params = flat(t.model)
             results[name] = {{"logs": logs, "params": params[:: max(1, params.numel() // 2000)].tolist()}}
     else:  # job == "losses": one optimizer step per loss and layout
+        reuse = dict(prefix_reuse=True, max_tokens_per_pass="8")  # every line: its prompt once, then chunks
         layouts = {{"unpacked": dict(per_device_train_batch_size=8),
                     "packed": dict(per_device_train_batch_size=16, packing=True, pack_length=64),
-                    "accumulated": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}}
+                    "accumulated": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                    "reused": dict(per_device_train_batch_size=8, **reuse)}}
         if world > 1:
-            layouts = {{"ranks": dict(per_device_train_batch_size=4)}}
+            layouts = {{"ranks": dict(per_device_train_batch_size=4),
+                        "ranks-reused": dict(per_device_train_batch_size=4, **reuse)}}
         examples = make_examples(8, ks=(2, 3))
         reference = tiny_model("llama")
         with torch.no_grad():
@@ -72,6 +78,8 @@ SCRIPT = textwrap.dedent(
                 p.mul_(0.9)
         for loss in sorted(LOSS_TABLE):
             for layout, kw in layouts.items():
+                if layout == "ranks-reused" and loss not in RANKS_REUSED_LOSSES:
+                    continue
                 policy = tiny_model("llama")
                 before = flat(policy)
                 # a large SGD step makes (after - before) / lr the gradient with little weight rounding in it
@@ -134,7 +142,10 @@ def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
         assert grad_scale > 1e-4, loss  # the step moved the weights: the comparison means something
         log = base["log"]
         scale = dpo_loss_scale(log, 0.5, slope=1 + abs(log["loss"]))
-        for layout in ("packed", "accumulated", "ranks"):
+        for layout in ("packed", "accumulated", "ranks", "reused", "ranks-reused"):
+            if f"{loss}/{layout}" not in results:
+                assert layout == "ranks-reused" and loss not in ("sigmoid", "sft", "bco_pair", "aot"), (loss, layout)
+                continue
             other = results[f"{loss}/{layout}"]
             assert_within(other["log"]["loss"], log["loss"], scale, k=K_FORWARD, what=f"{loss} {layout} loss")
             assert_within(other["grad"], base["grad"], sgd_grad_scale(torch.tensor(base["grad"]), start, 100.0),

@@ -6,7 +6,7 @@ One 2-process launch and one 1-process launch run every case; the tests compare 
   weights within K eps x `weights_scale` (fp32, SGD), prefix sharing on, packing on
   (16 records that make a pack count the ranks do not divide) and off; with a separate reference model,
   with LoRA (adapter-off reference), with TR-DPO (the sharded reference mixed toward the policy each step), and
-  with precomputed reference tables. Every FSDP case asserts the parameters were DTensors sharded over the
+  with precomputed reference tables. Prefix reuse is refused with FSDP2 in one line. Every FSDP case asserts the parameters were DTensors sharded over the
   2 ranks during the steps (each rank held half the elements), not only that the run finished.
 - Packing: 1 process x 4 == 2 ranks x 2 (FSDP2 and plain DDP) == 1 process x 2 x accumulation 2.
 - FSDP2 save at step 2 (sharded checkpoint), resume to step 4 == uninterrupted; the exported model reloads
@@ -126,6 +126,10 @@ SCRIPT = textwrap.dedent(
         with torch.no_grad():
             logits = t.model(input_ids=probe).logits
         results["export-logits"] = logits.flatten().tolist()
+        try:  # prefix reuse: its passes per rank follow each rank's data, FSDP2's gathers need them equal
+            run("fsdp-reused", per_device_train_batch_size=2, prefix_reuse=True, max_tokens_per_pass="8", **FSDP)
+        except Exception as err:
+            results["fsdp-reused-refused"] = f"{{type(err).__name__}}: {{err}}"
     else:
         for name, kw in (("packed", packed), ("unpacked", {{}}), ("ref", dict(ref=True)),
                          ("lora", dict(packed, peft=True)), ("trdpo", TRDPO),
@@ -187,6 +191,11 @@ def test_fsdp2_two_ranks_equal_one_process(runs, fsdp, single):
     assert len(one[single]["logs"]) == 4
     assert one[single]["logs"][-1]["loss"] != pytest.approx(one[single]["logs"][0]["loss"], rel=1e-3)  # it trained
     _same_training(one[single], two[fsdp])
+
+
+def test_prefix_reuse_is_refused_with_fsdp2_in_one_line(runs):
+    _, two, _ = runs
+    assert two["fsdp-reused-refused"].startswith("ConfigError: prefix_reuse=true is not supported with FSDP2 yet")
 
 
 def test_packed_steps_do_not_depend_on_world_size_or_accumulation(runs):

@@ -155,13 +155,13 @@ def test_grpo_plan_and_names_match_the_grpo_package():
     verify = [n for s, n in plan if s == "grpo verify"]
     bench = [n for s, n in plan if s == "grpo bench"]
     assert len(verify) == 2 * 2 * 3 and "qwen2 bfloat16 varlen" in verify
-    assert len(bench) == 3 * 3 + 1 and "long-context flex" in bench and bench[-1] == "generation math-like"
+    assert len(bench) == 3 * 3 + 1 and "long-context flex" in bench and bench[-1] == "whole step math-like"
     assert "grpo" in gpu_check.SECTIONS  # a plain `make gpu-check` runs it
 
 
 def test_grpo_section_runs_its_checks_on_cpu():
     """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16), a tiny bench of every
-    profile, generation's share."""
+    profile, the whole step."""
     from prefixdpo.bench.model import SHAPES
 
     torch.set_num_threads(1)  # conftest restores it
@@ -174,10 +174,10 @@ def test_grpo_section_runs_its_checks_on_cpu():
     fp32 = [r for r in verify if "float32" in r.name]
     assert all(r.numbers["logp"] <= 1e-5 and 0 < r.numbers["grad"] <= 1e-4 for r in fp32)
     bench = [r for r in results if r.section == "grpo bench"]
-    assert [r.name for r in bench] == [f"{p} sdpa" for p in gpu_check.GRPO_PROFILES] + ["generation math-like"]
+    assert [r.name for r in bench] == [f"{p} sdpa" for p in gpu_check.GRPO_PROFILES] + ["whole step math-like"]
     assert all(r.status == "ok" for r in bench), [r.detail for r in bench]
     assert all(r.numbers["ideal"] > 1 and r.numbers["speedups"]["shared_packed_vs_trl"] > 0 for r in bench[:-1])
-    assert 0 < bench[-1].numbers["share_trl"] < 1
+    assert 0 < bench[-1].numbers["share_trl"] < 1 and bench[-1].numbers["speedup"] > 0
     assert len(lines) == len(results) and gpu_check.exit_status(results) == 0
 
 

@@ -70,6 +70,36 @@ def test_flop_model():
     assert sum(ideal.split_trl.values()) == pytest.approx(1.0)
 
 
+def test_whole_step_flop_model():
+    from prefixdpo.bench.grpo_step import decode_cascade_ideal, generation_flops, reward_rows, scoring_flops
+
+    N, P, K = 16, 40, 30
+    for shared in (True, False):
+        _, decode = generation_flops(SHAPE, N, 2, P, K, shared=shared)
+        assert decode == generation_flops(SHAPE, N, 2, P, K, shared=not shared)[1]  # decoding: the same work
+    trl_prefill = generation_flops(SHAPE, N, 2, P, K, shared=False)[0]
+    # every row unique: the same slots through the body (P - 1 columns, then the last one inside generate)
+    assert generation_flops(SHAPE, N, N, P, K, shared=True)[0].body == trl_prefill.body
+    shared_prefill = generation_flops(SHAPE, N, 2, P, K, shared=True)[0]
+    assert shared_prefill.body == 2 * SHAPE.body_params_per_token() * (2 * (P - 1) + N)
+    assert trl_prefill.total / shared_prefill.total > 5
+    assert decode_cascade_ideal(SHAPE, N, N, P, K, 4) == pytest.approx(1.0)
+    assert decode_cascade_ideal(SHAPE, N, 2, 4 * P, K, 4) > decode_cascade_ideal(SHAPE, N, 2, P, K, 4) > 1.0
+    (rollout,) = synthetic_rollouts(TINY, 1, vocab_size=SHAPE.vocab, seed=1)
+    ids, mask, groups = reward_rows(rollout, pad_id=0)
+    for i in range(rollout.num_rows):  # each row: its real prompt tokens, then its real completion tokens
+        want = torch.cat([rollout.prompt_ids[i][rollout.prompt_mask[i].bool()],
+                          rollout.completion_ids[i][rollout.completion_mask[i].bool()]])
+        assert torch.equal(ids[i][mask[i].bool()], want) and mask[i, :len(want)].all()
+    assert sorted(groups.count(g) for g in set(groups)) == [TINY.group_size] * TINY.prompts_per_step
+    trl, shared = (scoring_flops(SHAPE, ids, mask, groups, shared=s) for s in (False, True))
+    assert trl.lm_head == shared.lm_head == 0 and trl.total > shared.total
+    # each prompt once per group, the system prompt once for all (completions sharing first tokens: fewer still)
+    assert 0 < shared.body <= 2 * SHAPE.body_params_per_token() * (
+        int(mask.sum()) - sum((len(cs) - 1) * p for p, cs in rollout.groups)
+        - (TINY.prompts_per_step - 1) * TINY.system_tokens)
+
+
 def test_modes_run_the_same_rollouts_and_agree(tmp_path):
     """lr 0: every mode runs on the same weights, so each pass of a step (old policy, reference, the policy twice)
     must return the same per-token log-probs in every mode, and TRL's logged entropy must agree."""
@@ -128,7 +158,7 @@ def test_bench_grpo_command_end_to_end(tmp_path, capsys, clock):
             "--warmup", "0", "--threads", "1", "--no-progress", "--out", str(out), "--clock", clock]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "--quick: scaled down" in printed and "generation's share of a whole step" in printed
+    assert "--quick: scaled down" in printed and "## Whole step: generation + reward-model scoring" in printed
     assert f"timed by {clock} clock" in printed
     data = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text() in printed
@@ -139,9 +169,14 @@ def test_bench_grpo_command_end_to_end(tmp_path, capsys, clock):
         modes = p["modes"]
         assert modes["trl"]["tokens"] > modes["shared"]["tokens"] == modes["shared-packed"]["tokens"]
         assert all(modes[m]["completions_per_s"]["median"] > 0 for m in MODES)
-    generation = data["generation"]
-    assert generation["profile"] == "math-like" and generation["generate_s"] > 0
-    assert 0 < generation["share_trl"] < 1 and generation["whole_step_speedup"] > 0
+    assert [w["profile"] for w in data["whole_steps"]] == list(PROFILES)
+    for w in data["whole_steps"]:
+        assert all(w["phases"][p][side] > 0 for p in ("generation", "scoring", "training") for side in ("trl", "ours"))
+        assert sum(w["shares"]["trl"].values()) == pytest.approx(1.0) and w["speedup"] > 0
+        # each prompt's G copies prefilled once: the prefill's FLOPs shrink, and so the whole step's ideal
+        assert w["ideals"]["prefill"] > 1.5 and w["ideals"]["scoring"] > 1.0 and w["ideals"]["whole_step"] > 1.0
+        assert w["unique_prompts"] == PROFILES[w["profile"]].prompts_per_step and w["rows"] == 16
+        assert 0.0 <= w["same_tokens"] <= 1.0
 
 
 @pytest.mark.parametrize("option,message", [

@@ -47,14 +47,15 @@ def model_dir(tmp_path_factory):
     return saved_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def run(trainer_cls, config_cls, model_dir, out_dir, **options):
-    """Train 4 steps; return (logged step metrics, completion ids of every reward call, initial and final weights)."""
+def run(trainer_cls, config_cls, model_dir, out_dir, reward=reward_vowels, **options):
+    """Train 4 steps with `reward` (called as TRL calls reward functions); return (logged step metrics, completion
+    ids of every reward call, initial and final weights)."""
     torch.set_num_threads(1)  # a tiny model gains nothing from a second thread (conftest's fixture restores it)
     rollouts = []
 
     def reward_vowel_share(completions, completion_ids, **kwargs):
         rollouts.append([list(ids) for ids in completion_ids])
-        return reward_vowels(completions)
+        return reward(completions=completions, completion_ids=completion_ids, **kwargs)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}

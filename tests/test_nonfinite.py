@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
-from conftest import make_examples, tiny_model
+from conftest import free_port, make_examples, tiny_model
 from prefixdpo.training.checkpoints import last_good_checkpoint, read_state, seal_checkpoint
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig
@@ -258,7 +258,7 @@ def two_ranks(tmp_path_factory):
     out = tmp / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
            os.path.join(TESTS, "nonfinite_driver.py"), str(out), *_cli_inputs(tmp),
            *(["zero"] if HAS_DEEPSPEED else [])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import preempt_after
+from conftest import preempt_after, run_fault_trials
 import torch
 
 from prefixdpo.training import checkpoints
 from prefixdpo.cli import main
-from tolerances import K_FORWARD, assert_same_weights, assert_small
+from tolerances import assert_same_weights
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,6 +36,8 @@ TRIALS = [
     {"point": "mid_export", "step": 12, "expect": 12},
     *({"point": "sigterm", "step": s, "expect": s} for s in (5, 10)),  # preempted: a checkpoint at that step
     {"point": "sigusr1", "step": 7, "expect": 7},
+    {"point": "sigint", "step": 4, "expect": 4},  # a first Ctrl-C: as SIGTERM, exit 130
+    {"point": "sigint_twice", "step": 8, "expect": 6},  # a second one inside step 8's save: at once, 8 never in view
 ]
 
 
@@ -57,30 +59,32 @@ def base(tmp_path_factory):
     return work
 
 
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def test_kill_anywhere_resumes_from_the_newest_complete_checkpoint(base):
-    """22 trials: SIGKILL inside steps, between them, and inside saves (after the model file, after the
+    """24 trials: SIGKILL inside steps, between them, and inside saves (after the model file, after the
     optimizer, half-way through a file, before our state, before the rename, while rotating, while exporting),
-    plus SIGTERM/SIGUSR1; each resume takes the newest complete checkpoint and ends on the uninterrupted weights."""
-    trials = base / "trials.json"
-    trials.write_text(json.dumps(TRIALS))
-    result = base / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(HERE / "survival_driver.py"), str(base), str(trials), str(result)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    outcome = json.loads(result.read_text())
-    assert outcome["reference_moved"] > 1e-3  # training moved the weights: equal end weights mean something
-    rows = outcome["trials"]
-    assert len(rows) == len(TRIALS) >= 20
-    for row in rows:
-        signalled = row["point"] in ("sigterm", "sigusr1")
-        assert row["faulty_code"] == (75 if signalled else -signal.SIGKILL), row
-        assert f"checkpoint-{row['expect']}" in row["complete_after_fault"], row
-        assert all(int(c.split("-")[1]) <= row["expect"] for c in row["complete_after_fault"]), row
-        assert row["chosen"] == f"checkpoint-{row['expect']}", row
-        assert row["resume_code"] == 0, row
-        # resumed from a complete checkpoint, the same steps: equal to a few ulps of the weights' scale
-        assert_small(row["max_weight_diff"], outcome["weights_scale"], k=K_FORWARD, what=str(row))
+    plus SIGTERM/SIGUSR1 and Ctrl-C (once: a checkpoint after the step, exit 130; twice, the second inside the
+    save: exit 130 at once, that checkpoint never in view); each resume takes the newest complete checkpoint and
+    ends on the uninterrupted weights."""
+    _, stderr = run_fault_trials("survival_driver.py", base, TRIALS, _env())
+    assert len(TRIALS) >= 20
+    # what each Ctrl-C said, in one line each
+    assert "prefixdpo train: interrupted (Ctrl-C) at step 4 of 12: checkpoint saved to" in stderr
+    assert "prefixdpo train: stopped at once by Ctrl-C" in stderr
+
+
+def test_ctrl_c_once_and_twice_in_a_reward_model_run(tmp_path_factory, base):
+    """(~25 s) `prefixdpo reward`, as `train`: a first Ctrl-C at step 4 saves that step's checkpoint (exit 130), a
+    second one inside the save stops at once with checkpoint-3 the newest in view; both resume exactly."""
+    work = tmp_path_factory.mktemp("reward-ctrl-c")
+    (work / "base").symlink_to(base / "base")
+    trials = [{"point": "sigint", "step": 4, "expect": 4}, {"point": "sigint_twice", "step": 5, "expect": 3}]
+    _, stderr = run_fault_trials("survival_driver.py", work, trials, _env(), "reward")
+    assert "prefixdpo reward: interrupted (Ctrl-C) at step 4 of 12" in stderr
+    assert "prefixdpo reward: stopped at once by Ctrl-C" in stderr
 
 
 def _train(base: Path, out: Path, *extra: str) -> int:
@@ -163,3 +167,33 @@ def test_preempted_two_rank_torchrun_saves_exits_nonzero_and_resumes_exactly(bas
     got = load_file(str(base / "ddp-preempted" / "model.safetensors"))
     assert_same_weights(got, expected, what="preempted and resumed vs uninterrupted")
     assert all(torch.isfinite(v).all() for v in got.values())
+
+
+def test_ctrl_c_to_the_command_finishes_the_step_saves_and_exits_130(base):
+    """(~20 s) A real Ctrl-C (SIGINT from outside) to `prefixdpo train` after its 3rd logged step: it says at once
+    that it finishes the step, saves a complete checkpoint of that step, exports nothing, ends with one line naming
+    the checkpoint and the resume option, exit 130; `--resume_from_checkpoint latest` then finishes the run."""
+    def launch(out, *extra):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        argv = [sys.executable, "-m", "prefixdpo.cli", "train", "--model", str(base / "base" / "model"),
+                "--dataset", str(base / "base" / "train.jsonl"), "--output_dir", str(out), "--max_steps", "30",
+                "--save_strategy", "steps", "--save_steps", "100", "--per_device_train_batch_size", "2",
+                "--learning_rate", "1e-3", "--bf16", "false", "--logging_steps", "1", "--gradient_checkpointing",
+                "false", "--disable_tqdm", "true", "--report_to", "none", *extra]
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    out_dir = base / "ctrl-c"
+    process = launch(out_dir)
+    out, err, step = preempt_after(process, "{'loss'", 3, sig=signal.SIGINT, said="interrupted (Ctrl-C) at step ")
+    assert process.returncode == 130, err[-3000:]
+    assert 3 <= step < 30
+    assert "Ctrl-C: finishing this optimizer step, then saving a checkpoint" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"prefixdpo train: interrupted (Ctrl-C) at step {step} of 30: checkpoint saved to ")
+    assert last.endswith("resume with --resume_from_checkpoint latest") and "Traceback" not in err
+    assert checkpoints.checkpoint_problem(str(out_dir / f"checkpoint-{step}"), None) is None
+    assert "Model saved" not in out and not (out_dir / "model.safetensors").exists()
+    resumed = launch(out_dir, "--resume_from_checkpoint", "latest")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert (out_dir / "model.safetensors").exists()

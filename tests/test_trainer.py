@@ -266,11 +266,12 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     examples = make_examples(16)
     args = config(tmp_path, save_strategy="steps", save_steps=1)
     trainer = Exploding(model=tiny_model("llama"), args=args, train_dataset=examples)
-    sigterm = signal.getsignal(signal.SIGTERM)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     # a UserError: the command line prints this one line (naming the last good checkpoint), no traceback
     with pytest.raises(UserError, match="optimizer step 3.*checkpoint-2") as info:
         trainer.train()
-    assert signal.getsignal(signal.SIGTERM) is sigterm  # the preemption handler is gone with the failed run
+    # the preemption and Ctrl-C handlers are gone with the failed run
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert isinstance(info.value, NonFiniteLossError)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-1", "checkpoint-2"]
     from safetensors.torch import load_file
@@ -352,7 +353,7 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     cache = str(tmp_path / "cache")
 
     def sums_of(batch):
-        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+        return reference_response_logps(model, batch, dense_mask(batch.spans)).sums
 
     first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
@@ -438,9 +439,9 @@ def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
     masks, made = [], []
     real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
 
-    def counted_mask(doc_ids, branch_ids):
-        masks.append(doc_ids.shape)
-        return real_mask(doc_ids, branch_ids)
+    def counted_mask(spans, queries_from=0):
+        masks.append(spans.shape[:2])
+        return real_mask(spans, queries_from)
 
     monkeypatch.setattr(backends, "dense_mask", counted_mask)
     monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])

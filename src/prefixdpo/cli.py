@@ -10,6 +10,8 @@ import sys
 from prefixdpo.commands import COMMANDS
 from prefixdpo.errors import TrainingPreempted, UserError
 
+TRAINING_COMMANDS = ("train", "reward", "grpo", "rloo")  # those that write checkpoints
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -48,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"prefixdpo {args.command}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C outside training, or a second one during it: stopped at once. What was being saved stays in its
+        # hidden staging folder (never a torn checkpoint in view); the complete checkpoints are untouched.
+        if os.environ.get("RANK", "0") == "0":
+            lost = (": the current step and any checkpoint being written are lost; complete checkpoints are intact "
+                    "(resume with --resume_from_checkpoint latest)" if args.command in TRAINING_COMMANDS else "")
+            print(f"prefixdpo {args.command}: stopped at once by Ctrl-C{lost}", file=sys.stderr, flush=True)
+        return 130
     except (UserError, OSError) as err:
         # Bad input (an option, a record) or the environment (a missing file, a model name the hub does not
         # know) is reported as one line naming the problem. Anything else is a bug: its traceback propagates.

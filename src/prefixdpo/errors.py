@@ -25,8 +25,18 @@ class TrainingPreempted(Exception):
     (75, EX_TEMPFAIL: "try again"), so a scheduler does not read the run as done."""
 
     exit_code = 75
+    verb = "preempted"
 
     def __init__(self, step: int, max_steps: int, checkpoint: str):
-        super().__init__(f"preempted at step {step} of {max_steps}: checkpoint saved to {checkpoint}; resume with "
+        super().__init__(f"{self.verb} at step {step} of {max_steps}: checkpoint saved to {checkpoint}; resume with "
                          "--resume_from_checkpoint latest")
         self.step, self.max_steps, self.checkpoint = step, max_steps, checkpoint
+
+
+class TrainingInterrupted(TrainingPreempted):
+    """A first Ctrl-C (SIGINT) stopped training after an optimizer step, and a complete checkpoint of that step
+    was saved. Exit code 130 (128 + SIGINT, what a shell reports for a job stopped by Ctrl-C), not 75: the user
+    stopped the run on purpose, and a scheduler that retries on 75 must not start it again by itself."""
+
+    exit_code = 130
+    verb = "interrupted (Ctrl-C)"

@@ -21,7 +21,7 @@ Four sections, each a list of checks; a table on stdout, and gpu-check.json + gp
 - grpo (`prefixdpo.gpu_check_grpo`, only where TRL and `datasets` are installed; else one line and one skipped
   check): `verify --task grpo` on tiny Llama and Qwen2, fp32 and bf16, per backend, against TRL's own GRPO pass
   ("grpo verify", fails the run like verify); `bench --task grpo`'s CUDA mode on the bench model until the end of
-  the budget, and generation's share of a step ("grpo bench", never fails the run). The GRPO bench gets the last
+  the budget, and the whole step on the first profile ("grpo bench", never fails the run). The GRPO bench gets the last
   `--grpo-budget-s` seconds of the budget.
 
 Exit status: 1 if a verify, train or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
@@ -112,7 +112,7 @@ def planned_checks(backends: list[str] | None = None, sections=SECTIONS) -> list
     if "grpo" in sections:
         plan += [("grpo verify", f"{arch} {dtype} {b}") for arch in GRPO_ARCHS for dtype in DTYPES for b in backends]
         plan += [("grpo bench", f"{p} {b}") for p in GRPO_PROFILES for b in backends]
-        plan += [("grpo bench", f"generation {GRPO_PROFILES[0]}")]
+        plan += [("grpo bench", f"whole step {GRPO_PROFILES[0]}")]
     return plan
 
 

@@ -4,7 +4,8 @@
   GPU backend: per-token log-probs, entropies and gradients of the prefix-shared pass against TRL's own
   `GRPOTrainer` pass (stock SDPA), at `verify`'s tolerances for the dtype.
 - grpo bench: `prefixdpo bench --task grpo`'s CUDA mode (bf16, full lengths) on the bench's Llama shape, per backend,
-  until the deadline, then generation's share of a step on the first profile. Never fails the run.
+  until the deadline, then the whole step (generation, reward-model scoring, training part; TRL's way and
+  prefixdpo's, `bench.grpo_step`) on the first profile. Never fails the run.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import torch
 from prefixdpo.gpu_check import CheckResult, tiny_causal_lm
 from prefixdpo.bench.grpo import (
     PROFILES,
-    GenerationTiming,
     GroupTrainingStep,
     build_bench_trainer,
     run_profile,
     synthetic_rollouts,
-    time_generation,
 )
+from prefixdpo.bench.grpo_step import time_whole_step
+from prefixdpo.bench.reward import build_reward_model
 from prefixdpo.bench.flops import ModelShape
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.bench.model import llama_config
@@ -60,7 +61,7 @@ def verify_check(arch: str, dtype_name: str, backend: str, device: str, toleranc
 def bench_section(backends: list[str], device: str, deadline: float, *, shape: ModelShape, length_scale: float,
                   rollouts: int, repeats: int, warmup: int, log=print) -> list[CheckResult]:
     """Every GRPO profile x backend (bf16 on CUDA, fp32 elsewhere) until `deadline` (time.monotonic()), then one
-    generation timing. One trainer and model for all: the backend is the trainer's `attention` option."""
+    whole-step timing. One trainer and model for all: the backend is the trainer's `attention` option."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     results: list[CheckResult] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-grpo-bench-") as tmp:
@@ -92,24 +93,27 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
                           f"{r.ideal.vs_trl_rows:.2f}, achieved/ideal {r.achieved_over_ideal:.2f}")
                 results.append(CheckResult("grpo bench", name, "ok", detail, nums))
                 if first is None:
-                    first = (r, work[0], backend)
+                    first = (r, work, backend)
             except Exception as err:  # noqa: BLE001  (one backend's failure must not hide the others' numbers)
                 results.append(CheckResult("grpo bench", name, "error", f"{type(err).__name__}: {err}"[:300]))
             log(f"  grpo bench {results[-1].name}: {results[-1].status} {results[-1].detail}")
     if first is not None and time.monotonic() < deadline:
-        r, rollout, backend = first
+        r, work, backend = first
+        name = f"whole step {r.name}"
         try:
-            generate_s = time_generation(trainer, rollout, device=device)
-            timing = GenerationTiming(r.name, rollout.num_rows, rollout.logits_to_keep, generate_s,
-                                      {m: v.seconds_per_step for m, v in r.modes.items()})
-            detail = (f"generate {generate_s:.2f} s ({timing.rows} rows x {timing.new_tokens} tokens); share of a "
-                      f"step {timing.share('trl'):.0%} (TRL's passes) / {timing.share('shared-packed'):.0%} (shared-"
-                      f"packed, {backend}); whole step {timing.whole_step_speedup():.2f}x")
-            results.append(CheckResult("grpo bench", f"generation {r.name}", "ok", detail,
-                                       {"generate_s": generate_s, "share_trl": timing.share("trl"),
-                                        "whole_step_speedup": timing.whole_step_speedup()}))
+            trainer.args.attention = backend
+            reward_model, _ = build_reward_model(shape, device=device, dtype=dtype, backend=backend)
+            w = time_whole_step(trainer, reward_model, r, work, shape, device=device, backend=backend,
+                                repeats=repeats, warmup=warmup, pad_id=int(reward_model.config.pad_token_id))
+            seconds = {p: (v.trl, v.ours) for p, v in w.phases.items()}
+            detail = (" / ".join(f"{p} {a:.3f}->{b:.3f}" for p, (a, b) in seconds.items())
+                      + f" s; whole step {w.speedup:.2f}x (ideal {w.ideals['whole_step']:.2f}); generation share "
+                      f"{w.share('generation', 'trl'):.0%} -> {w.share('generation', 'ours'):.0%}; same tokens "
+                      f"{w.same_tokens:.0%}")
+            results.append(CheckResult("grpo bench", name, "ok", detail,
+                                       {"seconds": seconds, "speedup": w.speedup, "ideals": w.ideals,
+                                        "share_trl": w.share("generation", "trl"), "same_tokens": w.same_tokens}))
         except Exception as err:  # noqa: BLE001
-            results.append(CheckResult("grpo bench", f"generation {r.name}", "error",
-                                       f"{type(err).__name__}: {err}"[:300]))
+            results.append(CheckResult("grpo bench", name, "error", f"{type(err).__name__}: {err}"[:300]))
         log(f"  grpo bench {results[-1].name}: {results[-1].status} {results[-1].detail}")
     return results

@@ -1,9 +1,9 @@
 """`prefixdpo bench --task grpo`: settings, the run, and its report (bench.md / bench.json).
 
 Defaults (CPU, fp32): the three profiles at half their lengths on the DPO bench's default Llama-shaped model;
-`--quick`: a quarter of the lengths on its quick model (2 layers), about a minute on 2 idle CPU cores (measured
-2.5-3 minutes while other jobs kept the load average at 8-9); CUDA: bf16,
-FlexAttention, full lengths, the DPO bench's CUDA model. Generation is timed once, on the first profile.
+`--quick`: a quarter of the lengths on its quick model (2 layers); CUDA: bf16, FlexAttention, full lengths, the DPO
+bench's CUDA model. Every profile also runs the rest of its steps, generation and reward-model scoring, TRL's way and
+prefixdpo's (`bench.grpo_step`), for the whole step's speedup beside its ideal.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from prefixdpo.bench.clock import step_clock
 from prefixdpo.bench.grpo import (
     MODES,
     PROFILES,
-    GenerationTiming,
     GroupProfileResult,
     GroupTrainingStep,
     build_bench_trainer,
     run_profile,
     synthetic_rollouts,
-    time_generation,
 )
+from prefixdpo.bench.grpo_step import PHASES, WholeStep, time_whole_step
+from prefixdpo.bench.reward import build_reward_model
 from prefixdpo.bench.model import SHAPES, llama_config
 from prefixdpo.errors import ConfigError
 from prefixdpo.bench.flops import ModelShape
@@ -137,18 +137,20 @@ def run_group_bench(args, *, threads: int) -> int:
     workloads = [(PROFILES[n].scaled(settings["length_scale"]), n) for n in names]
     rollouts = {n: synthetic_rollouts(p, settings["rollouts"], vocab_size=shape.vocab, seed=args.seed, eos_id=eos_id,
                                       pad_id=pad_id) for p, n in workloads}
-    total = len(names) * settings["rollouts"] * (settings["warmup"] + settings["repeats"]) * len(MODES)
+    passes = settings["rollouts"] * (settings["warmup"] + settings["repeats"])
+    total = len(names) * passes * (len(MODES) + 6)  # training modes; generation, its prefill, scoring x 2 sides
+    reward_model, _ = build_reward_model(shape, device=args.device, dtype=dtype, backend=backend, seed=args.seed)
     results: list[GroupProfileResult] = []
+    steps: list[WholeStep] = []
     with tqdm(total=total, unit="step", disable=args.no_progress) as bar:
         for profile, name in workloads:
             bar.set_description(name)
-            results.append(run_profile(profile, rollouts[name], step, shape, device=args.device,
-                                       repeats=settings["repeats"], warmup=settings["warmup"], progress=bar,
-                                       clock=clock))
-    first = results[0]
-    generate_s = time_generation(trainer, rollouts[first.name][0], device=args.device, clock=clock)
-    timing = GenerationTiming(first.name, rollouts[first.name][0].num_rows, rollouts[first.name][0].logits_to_keep,
-                              generate_s, {m: first.modes[m].seconds_per_step for m in MODES})
+            result = run_profile(profile, rollouts[name], step, shape, device=args.device,
+                                 repeats=settings["repeats"], warmup=settings["warmup"], progress=bar, clock=clock)
+            results.append(result)
+            steps.append(time_whole_step(trainer, reward_model, result, rollouts[name], shape, device=args.device,
+                                         backend=backend, repeats=settings["repeats"], warmup=settings["warmup"],
+                                         pad_id=int(reward_model.config.pad_token_id), clock=clock, progress=bar))
     meta = {
         "task": (f"GRPO training part of a step (TRL 1.16's loss, loss_type {trainer.loss_type}, beta {args.beta}, "
                  f"num_iterations {args.num_iterations}): "
@@ -164,15 +166,19 @@ def run_group_bench(args, *, threads: int) -> int:
                      f"{settings['length_scale']} of the profiles' (" + ("--quick: " if args.quick else "")
                      + "scaled down to fit the machine; the per-profile table gives the lengths run); shared-packed: "
                      + ("each step's groups in one line" if line_per_step else "the trainer's pack_length 'auto'")),
-        "memory": first.notes[0].split(": ", 1)[1],
-        "timing": (f"{time.perf_counter() - start:.0f} s; steps and generation timed by {args.clock} clock "
+        "memory": results[0].notes[0].split(": ", 1)[1],
+        "whole step": (f"generation (transformers generate, TRL's generation config, exactly K new tokens), scoring "
+                       f"by a reward model of the policy's shape ({type(reward_model).__name__}, random), the "
+                       "training part above; TRL's calls vs prefixdpo's (shared-prompt prefill, prefix-shared "
+                       "scoring, shared-packed passes), interleaved call by call"),
+        "timing": (f"{time.perf_counter() - start:.0f} s; steps, generation and scoring timed by {args.clock} clock "
                    f"({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); "
                    f"torch {torch.__version__}"),
     }
     out = Path(args.out)
-    md = markdown_report(results, timing, meta)
+    md = markdown_report(results, steps, meta)
     atomic_write_text(str(out / "bench.md"), md)
-    atomic_write_text(str(out / "bench.json"), to_json(results, timing, meta))
+    atomic_write_text(str(out / "bench.json"), to_json(results, steps, meta))
     print(md)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}")
     return 0
@@ -182,8 +188,8 @@ def _spread(s, fmt="{:.2f}") -> str:
     return f"{fmt.format(s.median)} ({fmt.format(s.min)}-{fmt.format(s.max)})"
 
 
-def markdown_report(results: list[GroupProfileResult], timing: GenerationTiming, meta: dict) -> str:
-    """Speedups beside the FLOP model's ideal, throughput per mode, the workloads, and generation's share."""
+def markdown_report(results: list[GroupProfileResult], steps: list[WholeStep], meta: dict) -> str:
+    """Speedups beside the FLOP model's ideal, throughput per mode, the workloads, and the whole step."""
     lines = ["# prefixdpo bench --task grpo", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
     lines += ["", "## Speedups over TRL's layout (median (min-max) of per-pass time ratios)", "",
               "| profile | G x prompts | shared / TRL | shared-packed / TRL | ideal (FLOPs) | achieved / ideal | "
@@ -212,16 +218,6 @@ def markdown_report(results: list[GroupProfileResult], timing: GenerationTiming,
                      f"{L['prompt_range'][1]}; system {L['system_prompt']}) | {L['completion_median']:.0f} "
                      f"({L['completion_range'][0]}-{L['completion_range'][1]}) | {L['max_completion_length']} "
                      f"({L['cut_share']:.0%}) | {fs['trl']} | {fs['shared']} |")
-    lines += ["", f"## Generation (transformers generate, {timing.profile}, measured here)", "",
-              f"A real `generate` of one rollout's shapes ({timing.rows} rows, left-padded prompts, "
-              f"{timing.new_tokens} new tokens: the batch runs to its longest completion; TRL's generation config, "
-              f"sampling, KV cache) took {timing.generate_s:.2f} s; the training part of the step took "
-              f"{timing.train_s['trl']:.2f} s with TRL's passes and {timing.train_s['shared-packed']:.2f} s "
-              "prefix-shared packed.", "",
-              f"- generation's share of a whole step: {timing.share('trl'):.0%} with TRL's passes, "
-              f"{timing.share('shared-packed'):.0%} with prefix sharing",
-              f"- whole step (generation + training part): {timing.whole_step_speedup():.2f}x faster with prefix "
-              "sharing (reward functions and advantages not timed)"]
     lines += ["", "ideal = FLOPs of TRL's rows as its pass runs them (every padded slot through the body, all L x L "
               "query-key pairs of SDPA with a padding mask, the LM head where TRL's fused head scores) over the "
               "useful FLOPs of the prefix-shared lines (real tokens, allowed query-key pairs, the head at completion "
@@ -229,10 +225,42 @@ def markdown_report(results: list[GroupProfileResult], timing: GenerationTiming,
               "alike. achieved / ideal = shared-packed / TRL divided by ideal (aim: >= "
               f"{AIM}). sharing alone = the same ratio with TRL's rows counted by their real tokens: what computing "
               "each prompt once saves, padding aside."]
+    lines += whole_step_lines(steps)
     return "\n".join(lines) + "\n"
 
 
-def to_json(results: list[GroupProfileResult], timing: GenerationTiming, meta: dict) -> str:
+def whole_step_lines(steps: list[WholeStep]) -> list[str]:
+    """The whole step per profile: seconds per phase on both sides, the speedups beside their ideals, the shares."""
+    lines = ["", "## Whole step: generation + reward-model scoring + training part (s per step, TRL -> prefixdpo)", "",
+             "| profile | rows (prompts) x new tokens | generation | scoring | training | whole step | speedup | "
+             "ideal | achieved / ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for w in steps:
+        phase_cells = [f"{w.phases[p].trl:.3f} -> {w.phases[p].ours:.3f} ({w.phases[p].speedup:.2f}x, ideal "
+                       f"{w.ideals[p]:.2f})" for p in PHASES]
+        lines.append(f"| {w.profile} | {w.rows} ({w.unique_prompts}) x {w.new_tokens} | " + " | ".join(phase_cells)
+                     + f" | {w.seconds('trl'):.3f} -> {w.seconds('ours'):.3f} | **{w.speedup:.2f}x** | "
+                     f"{w.ideals['whole_step']:.2f} | {w.achieved_over_ideal:.2f} |")
+    lines += ["", "| profile | TRL: generation / scoring / training share | prefixdpo: shares | prefill alone "
+              "(ideal) | generation peak MB | same tokens as TRL (same seed) | decode ideal with shared-prefix KV "
+              "reads (cascade, not built) |", "|---|---|---|---|---|---|---|"]
+    for w in steps:
+        shares = {side: " / ".join(f"{w.share(p, side):.0%}" for p in PHASES) for side in ("trl", "ours")}
+        lines.append(f"| {w.profile} | {shares['trl']} | {shares['ours']} | {w.prefill.trl:.3f} -> "
+                     f"{w.prefill.ours:.3f} s ({w.prefill.speedup:.2f}x, ideal {w.ideals['prefill']:.2f}) | "
+                     f"{w.peak_mb['trl']:.0f} -> {w.peak_mb['ours']:.0f} | {w.same_tokens:.0%} of rows | "
+                     f"{w.ideals['decode_cascade']:.2f} |")
+    lines += ["", "Ideals (`bench.grpo_step`): prefill = its FLOPs as run (TRL: N x P slots, P x P pairs per row; "
+              "prefixdpo: U x (P - 1) then each row's last column); generation = TRL's measured prefill at that "
+              "ratio, its decode at 1.00 (the same steps, FLOPs and bytes: the expanded cache is a copy per row); "
+              "scoring = TRL's padded rows as run over the tries' useful FLOPs; training = the table above's ideal; "
+              "whole step = TRL's phase times each at its phase's ideal. Same tokens: the first pass's sampled "
+              "completions, TRL's and prefixdpo's, same seed (fp32: a token can differ only at a near-tie). The last "
+              "column is what decoding would gain if each prompt's cached keys and values were read once per group "
+              "(weights + U x P + N x t tokens per step instead of weights + N x (P + t)): the lever left."]
+    return lines
+
+
+def to_json(results: list[GroupProfileResult], steps: list[WholeStep], meta: dict) -> str:
     import json
 
     profiles = []
@@ -244,7 +272,13 @@ def to_json(results: list[GroupProfileResult], timing: GenerationTiming, meta: d
             d["modes"][m]["fill"] = mr.fill
             d["modes"][m]["seconds_per_step"] = mr.seconds_per_step
         profiles.append(d)
-    generation = asdict(timing) | {"share_trl": timing.share("trl"),
-                                   "share_shared_packed": timing.share("shared-packed"),
-                                   "whole_step_speedup": timing.whole_step_speedup()}
-    return json.dumps({"meta": meta, "profiles": profiles, "generation": generation}, indent=2)
+    whole = []
+    for w in steps:
+        d = asdict(w)
+        d |= {"speedup": w.speedup, "achieved_over_ideal": w.achieved_over_ideal,
+              "seconds": {s: w.seconds(s) for s in ("trl", "ours")},
+              "shares": {s: {p: w.share(p, s) for p in PHASES} for s in ("trl", "ours")}}
+        for p in PHASES:
+            d["phases"][p]["speedup"] = w.phases[p].speedup
+        whole.append(d)
+    return json.dumps({"meta": meta, "profiles": profiles, "whole_steps": whole}, indent=2)

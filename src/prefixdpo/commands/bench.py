@@ -41,11 +41,14 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("--quick", action="store_true", help="small, fast run (about a minute on 2 CPU cores)")
-    p.add_argument("--task", default="dpo", choices=["dpo", "reward", "grpo"],
+    p.add_argument("--task", default="dpo", choices=["dpo", "reward", "grpo", "reuse"],
                    help="dpo: a DPO step (policy + reference); reward: a reward-model step (Bradley-Terry, as TRL's "
                         "RewardTrainer: one scoring pass, no reference, no LM head), with its own ideal; grpo: the "
                         "training part of a GRPO step (TRL's GRPOTrainer) in TRL's layout vs prefix-shared, on "
-                        "synthetic rollouts of three profiles, and generation's share of a whole step")
+                        "synthetic rollouts of three profiles, and generation's share of a whole step; reuse: a "
+                        "long prompt (8-16k tokens, --quick 1-2k) with 8 responses over a per-pass budget, as one "
+                        "row, split into a row per pair (the prompt repeated), and with prefix reuse (time, peak "
+                        "memory)")
     p.add_argument("--profiles", default=None,
                    help="comma-separated synthetic profiles (default: all six of the paper, the multi-response one "
                         "and the shared-prefix ones, shp-like (5-10 pair records per post; adds the grouped-packed "
@@ -156,6 +159,10 @@ def _length_scale(value, profile) -> float:
 
 
 def run(args) -> int:
+    if args.task == "reuse":
+        from prefixdpo.bench.prefix_reuse import run as run_reuse_bench
+
+        return run_reuse_bench(args, threads=args.threads or _idle_cores())
     if args.task == "grpo":
         from prefixdpo.bench.grpo_report import run_group_bench
 

@@ -14,8 +14,10 @@ prefix sharing saved (`make demo-grpo`). The YAML file's values are defaults tha
 boolean X also takes `--X true|false` and `--no_X`;
 `--resume_from_checkpoint latest` resumes from the newest complete checkpoint of this run in output_dir. Runs
 survive as `prefixdpo train` runs do: an output_dir of another run is refused (`--overwrite_output_dir true`
-replaces it), SIGTERM/SIGUSR1 save a checkpoint after the current step and exit 75, and a NaN/inf step is never
-applied (`--nonfinite stop|skip`).
+replaces it), SIGTERM/SIGUSR1 save a checkpoint after the current step and exit 75 (a first Ctrl-C: the same, exit
+130; a second: at once), and a NaN/inf step is never applied (`--nonfinite stop|skip`), nor one whose rewards are all
+None/NaN or hold an inf; a reward function that raises or returns anything but one number or None per completion
+stops the run in one line (exit 2).
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or Hub name (AutoTokenizer)")
     p.add_argument("--model-config", default=None,
                    help="config.json or model directory for the FLOP model (default: Llama-3.1-8B's shape)")
+    p.add_argument("--max-tokens-per-pass", type=int, default=4096,
+                   help="prefix reuse's budget for the activation-memory figure (`--prefix_reuse` of train)")
     p.add_argument("--show-mask", metavar="PNG", default=None,
                    help="draw the attention mask of the first packed line (documents, prompt, branches, padding)")
     p.set_defaults(func=run, config_fields=[f.name for f in dataclasses.fields(config_options)],
@@ -132,12 +134,39 @@ def run(args) -> int:
                           grouped=grouped, grouped_speedup=grouped_speedup)
     stats = _with_trie(stats, prepared.examples, grouped, shape)
     print(stats.format())
+    if shape is not None:
+        print(_activation_report(prepared.examples, shape, model_name, args.max_tokens_per_pass))
     if args.show_mask:
         print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
         if stats.trie_tokens < stats.shared_tokens:
             drawn = _draw_first_tree_line(prepared.examples, stats.pack_length, args.show_mask)
             print(f"attention mask of one token-trie line written to {drawn}")
     return 0
+
+
+def _activation_report(examples, shape, model_name: str, budget: int) -> str:
+    """Two lines: the peak activation memory of one example's training pass, as one row and with prefix reuse at
+    `budget` tokens a pass (the prompt once and its largest chunk), for the largest example and the median (bf16,
+    `core.fit.block_activation_bytes`: an estimate from the model's shape)."""
+    import statistics
+
+    from prefixdpo.core.attention.reuse_plan import reused_tokens
+    from prefixdpo.core.fit import block_activation_bytes
+
+    per_token = block_activation_bytes(shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim,
+                                       shape.layers, 2)
+    rows = [ex.shared_length for ex in examples]
+    reused = [reused_tokens(len(ex.prompt_ids), [len(r) for r in ex.response_ids], budget) for ex in examples]
+    over = sum(r > budget for r in rows)
+
+    def gib(tokens: float) -> str:
+        return f"{tokens * per_token / 2**30:.2f} GiB"
+
+    return (f"activations         per example's training pass ({model_name}, bf16, estimated): largest {gib(max(rows))},"
+            f" median {gib(statistics.median(rows))} as one row\n"
+            f"                    with --prefix_reuse at {budget} tokens a pass (the prompt once, then chunks): "
+            f"largest {gib(max(reused))}, median {gib(statistics.median(reused))}; {over} of {len(rows)} examples "
+            "run as a prefix and chunks")
 
 
 def _with_trie(stats, examples, grouped, shape):

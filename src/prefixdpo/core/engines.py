@@ -52,12 +52,28 @@ def enable_requested_fsdp(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+def refuse_prefix_reuse_on_sharded_engines(trainer) -> None:
+    """ConfigError for prefix reuse under FSDP2 or ZeRO-3: they gather each layer's weights at each of its calls,
+    collectively, so every rank must call every layer equally often; prefix reuse runs as many passes (the prefix,
+    each chunk, each chunk again in backward) as each rank's own examples need."""
+    from prefixdpo.core.engines_deepspeed import zero_stage
+
+    if not getattr(trainer.args, "prefix_reuse", False):
+        return
+    engine = "FSDP2" if trainer.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero_stage(trainer.accelerator) == 3 else None
+    if engine is not None:
+        raise ConfigError(f"prefix_reuse=true is not supported with {engine} yet: it gathers each layer at each call, "
+                          "on every rank together, and prefix reuse makes as many calls as each rank's examples need; "
+                          "use DDP or ZeRO-1/2")
+
+
 def refuse_unsupported_engine_options(trainer) -> None:
     """ConfigError for an option the engine would run wrongly: under ZeRO-3 each rank holds only a partition of
     every weight, which TR-DPO's in-place reference update and a reference table built outside the engine
-    would read as if whole."""
+    would read as if whole; prefix reuse under a sharded engine (`refuse_prefix_reuse_on_sharded_engines`)."""
     from prefixdpo.core.engines_deepspeed import zero_stage
 
+    refuse_prefix_reuse_on_sharded_engines(trainer)
     if zero_stage(trainer.accelerator) != 3:
         return
     for option in ("sync_ref_model", "precompute_ref_log_probs"):

@@ -35,7 +35,8 @@ from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
 
 __all__ = ["DataDoesNotFitError", "position_limit", "check_positions", "mask_bytes", "memory_bound",
-           "check_mask_memory", "check_run_fits"]
+           "check_mask_memory", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
+           "block_activation_bytes"]
 
 _NO_LIMIT_ROPE = {"dynamic"}  # dynamic NTK scaling stretches itself to any length at run time
 _SEGMENT_WASTE = 1.25  # segmented attention pads a group by at most 25% of its real cells (`segments._group`)
@@ -250,6 +251,41 @@ def check_mask_memory(examples: Sequence[Example], batches: Batches, *, backend:
     raise DataDoesNotFitError(
         f"{subject} {batches.what} micro-batches of {lines} such lines need about {_size(need)} for "
         f"attention={backend}'s mask, more than {budget_text}: " + ", or ".join(advice or ["use a bigger machine"]))
+
+
+# ---- activations: the budget of one pass (prefix reuse) -------------------------------------------------
+
+
+def activation_bytes_per_token(model, itemsize: int) -> int:
+    """Estimated bytes of activations one token keeps for backward in one forward of `model` (linear in tokens;
+    the attention mask's memory is `mask_bytes`): per layer, a Llama-shaped block's saved tensors, the two norms'
+    inputs and outputs (4 h), the query, key and value projections (h + 2 kv), the attention and output
+    projections' outputs (2 h), the residual (h), the MLP's gate, up and activation (3 i) and its output (h), with
+    h the hidden size, kv the key/value width, i the MLP width; x itemsize. An estimate, for budgets and `inspect`:
+    other architectures keep somewhat more or less."""
+    cfg = text_config(base_model(model))
+    h = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0))
+    i = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "n_inner", None) or 4 * h)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 1))
+    kv = h * int(getattr(cfg, "num_key_value_heads", heads) or heads) // max(heads, 1)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg, "n_layer", 1))
+    return block_activation_bytes(h, i, kv, layers, itemsize)
+
+
+def block_activation_bytes(hidden: int, intermediate: int, kv_width: int, layers: int, itemsize: int) -> int:
+    """`activation_bytes_per_token` from the dimensions: layers x (9 hidden + 2 kv_width + 3 intermediate) x
+    itemsize."""
+    return layers * (9 * hidden + 2 * kv_width + 3 * intermediate) * itemsize
+
+
+def auto_tokens_per_pass(model, device, itemsize: int) -> int:
+    """The most tokens one training pass may hold on `device`: half of what `memory_bound` leaves the mask path
+    (the other half: the prefix's activations, the weights' gradients and the optimizer), at
+    `activation_bytes_per_token` each; at least 128. A machine that does not say its memory: 8192."""
+    bound = memory_bound(device)
+    if bound is None:
+        return 8192
+    return max(128, bound[0] // 2 // max(activation_bytes_per_token(model, itemsize), 1))
 
 
 # ---- a trainer's run ----------------------------------------------------------------------------------

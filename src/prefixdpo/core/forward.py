@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
 
-from prefixdpo.core.attention.backends import check_mask_follows_lines
 from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
+from prefixdpo.core.attention.reuse_plan import PrefixReuse
+from prefixdpo.core.prefix_reuse import reused_hidden_states
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 from prefixdpo.data.batch import Batch
+from prefixdpo.errors import ConfigError
 
 def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
     """Call `model` (bare, or wrapped by DDP / FSDP2 / DeepSpeed) with `inputs`, running `body` as the
@@ -53,8 +56,9 @@ def through_engine(model, body: Callable[..., dict], **inputs) -> dict:
 
 
 def decoder_output(model, inner_forward, **inputs):
-    """Run `inner_forward` (the forward of `unwrap(model)`, inside `through_engine`) with `inputs` and no KV
-    cache; return (the decoder's final hidden states [B, L, D], captured by a hook, and the model's output)."""
+    """Run `inner_forward` (the forward of `unwrap(model)`, inside `through_engine`) with `inputs` (no KV cache unless
+    they ask for one); return (the decoder's final hidden states [B, L, D], captured by a hook, and the model's
+    output)."""
     captured: list[torch.Tensor] = []
 
     def grab(_module, _inputs, output):
@@ -62,7 +66,7 @@ def decoder_output(model, inner_forward, **inputs):
 
     handle = unwrap(model).get_decoder().register_forward_hook(grab)
     try:
-        out = inner_forward(use_cache=False, **inputs)
+        out = inner_forward(**{"use_cache": False, **inputs})
     finally:
         handle.remove()
     if len(captured) != 1:
@@ -70,21 +74,37 @@ def decoder_output(model, inner_forward, **inputs):
     return captured[0], out
 
 
+def pass_hidden_states(model, inner_forward, **inputs):
+    """`decoder_output` of one pass over `inputs`, or, where the `attention_mask` is a `PrefixReuse`, the hidden
+    states [B, L, D] of the passes it plans (`core.prefix_reuse`; built from `inputs["spans"]`) and no model output."""
+    reuse = inputs.pop("attention_mask")
+    ids, positions, spans = inputs.pop("input_ids"), inputs.pop("position_ids"), inputs.pop("spans", None)
+    if isinstance(reuse, PrefixReuse):
+        run = functools.partial(decoder_output, **inputs)  # the model's other inputs, for each of the passes
+        return reused_hidden_states(model, inner_forward, ids, positions, spans, reuse, run), None
+    return decoder_output(model, inner_forward, input_ids=ids, position_ids=positions, attention_mask=reuse, **inputs)
+
+
 def final_hidden_states(model, inner_forward, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A causal LM's (hidden [B, L, D], its own logits at the last position [B, V] or None), inside
-    `through_engine`."""
+    `through_engine`. An `attention_mask` that is a `PrefixReuse` runs its lines as it plans them (no logits)."""
     # A MoE model asked for router logits computes its aux loss from `attention_mask` read as a [B, L]
     # padding mask, which ours is not: `recording_router_logits` collects them instead.
     moe = {"output_router_logits": False} if hasattr(text_config(unwrap(model)), "output_router_logits") else {}
     # logits_to_keep=1: the model's own head on one position only; we apply ours where needed
-    hidden, out = decoder_output(model, inner_forward, logits_to_keep=1, **inputs, **moe)
+    hidden, out = pass_hidden_states(model, inner_forward, logits_to_keep=1, **inputs, **moe)
+    if out is None:
+        return hidden, None
     logits = out.logits if hasattr(out, "logits") else out[0]
     return hidden, (logits[:, -1] if logits is not None and logits.dim() == 3 else None)
 
 
-def _batch_inputs(batch: Batch, attention_mask) -> dict:
-    check_mask_follows_lines(batch, attention_mask)
-    return {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
+def batch_inputs(batch: Batch, attention_mask) -> dict:
+    """The model inputs of a pass over `batch` with `attention_mask` (a mask, or a `PrefixReuse` plan)."""
+    inputs = {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
+    if isinstance(attention_mask, PrefixReuse):  # its passes build their own masks from the spans
+        inputs["spans"] = batch.spans
+    return inputs
 
 
 def compute_response_logps(
@@ -92,13 +112,16 @@ def compute_response_logps(
 ) -> ResponseLogps:
     """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
 
-    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once per
+    attention_mask: the batch's mask for the run's backend (`backends.batch_attention_mask`), built once per
                     micro-batch by the caller and shared by every pass over it (policy, reference, pre-pass).
     wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
     router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
     """
     hf = unwrap(model)
     check_sequences_fit_window(model, batch)
+    if router_aux and isinstance(attention_mask, PrefixReuse):
+        raise ConfigError("prefix_reuse does not compute the MoE load-balancing loss (its router logits come in "
+                          "chunks, not the row's layout): set router_aux_loss_coef 0, or prefix_reuse false")
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
@@ -118,5 +141,5 @@ def compute_response_logps(
             result.per_token = result.per_token + nothing
         return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if getattr(result, f.name) is not None}
 
-    return ResponseLogps(**through_engine(model, body, **_batch_inputs(batch, attention_mask)))
+    return ResponseLogps(**through_engine(model, body, **batch_inputs(batch, attention_mask)))
 

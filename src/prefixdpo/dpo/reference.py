@@ -89,6 +89,11 @@ class Reference:
     name = "custom"
     model = None  # TRL's `ref_model`: the separate model run every step, else None
     callbacks: tuple = ()  # trainer callbacks the reference needs (TR-DPO's sync), set by `build_reference`
+    tokens_per_pass: int | None = None  # prefix reuse's budget for the passes it builds its own masks for
+
+    def use_tokens_per_pass(self, budget: int | None) -> None:
+        """Run the passes it builds masks for (tables) with prefix reuse over `budget` tokens (None: one pass)."""
+        self.tokens_per_pass = budget
 
     def response_logps(self, policy, batch: Batch, mask) -> ResponseLogps | None:
         """No-grad sums [R] and per-token [T] log-probs of `batch`'s responses under the reference, with the
@@ -164,7 +169,7 @@ class ModelPassReference(Reference):
     def _mask(self, batch: Batch):
         """A table batch's mask (one per batch, no grad)."""
         backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=False)
-        return batch_attention_mask(batch, backend)
+        return batch_attention_mask(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""
@@ -318,6 +323,10 @@ class PrecomputedReference(Reference):
             "ld_alpha needs the reference's per-token log-probs, but precomputed reference tables hold "
             "per-response sums: set precompute_ref_log_probs=False to use ld_alpha"
         )
+
+    def use_tokens_per_pass(self, budget: int | None) -> None:
+        self.tokens_per_pass = budget
+        self.source.use_tokens_per_pass(budget)
 
     def precompute_tables(self, datasets, policy) -> None:
         for name, examples in datasets:

@@ -34,6 +34,7 @@ from prefixdpo.dpo.objective import PairLogps
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses, zero_weight_loss
 from prefixdpo.dpo.coupling import StepCoupling
 from prefixdpo.training.base import PrefixTrainerBase
+from prefixdpo.training.options import resolve_tokens_per_pass
 from prefixdpo.data.inputs import as_examples
 
 __all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
@@ -66,13 +67,13 @@ class StepInputs:
         """A rank-balancing empty micro-batch: it runs a real one's passes at zero weight."""
         return self.micro.batch.num_pairs == 0
 
-    def on_device(self, device, backend: str, pad_token_id: int) -> "StepInputs":
+    def on_device(self, device, backend: str, pad_token_id: int, tokens_per_pass: int | None = None) -> "StepInputs":
         """This micro-batch with its Batch (an idle one's stand-in line) on `device` and its attention mask (kept if
-        already built)."""
+        already built; a `PrefixReuse` plan for a line over `tokens_per_pass`)."""
         if self.batch is not None:
             return self
         batch = (stand_in_batch(pad_token_id) if self.idle else self.micro.batch).to(device)
-        return replace(self, batch=batch, mask=batch_attention_mask(batch, backend))
+        return replace(self, batch=batch, mask=batch_attention_mask(batch, backend, max_tokens_per_pass=tokens_per_pass))
 
 
 class PrefixDPOTrainer(PrefixTrainerBase):
@@ -92,6 +93,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         args = self._checked_args(args, PrefixDPOConfig)
         model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
                                                  tokenizer=processing_class)
+        self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
 
         self._data_options = data_options or default_data_options(args)
         self.data_reports: dict = {}
@@ -104,6 +106,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         self._init_run_state()
         self.reference = build_reference(args, policy=self.model, ref_model=ref_model, backend=self.backend,
                                          pad_token_id=self.pad_token_id, accelerator=self.accelerator)
+        self.reference.use_tokens_per_pass(self.tokens_per_pass)  # its table passes run long examples the same way
         for callback in self.reference.callbacks:  # TR-DPO's sync, when asked for
             self.add_callback(callback)
         self.objective = Objective(tuple(args.loss_types), tuple(args.loss_weight_list), args.loss_params(),
@@ -170,7 +173,7 @@ class PrefixDPOTrainer(PrefixTrainerBase):
         return step, pairs
 
     def _on_device(self, step: StepInputs) -> StepInputs:
-        return step.on_device(self.args.device, self.backend, self.pad_token_id)
+        return step.on_device(self.args.device, self.backend, self.pad_token_id, self.tokens_per_pass)
 
     def _reference_of(self, step: StepInputs):
         """The reference `step`'s passes ask: the run's, or, for an idle micro-batch, the run's at zero weight."""

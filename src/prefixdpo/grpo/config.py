@@ -22,13 +22,15 @@ from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, device_has_bf16, join_cpu_processes,
+    PrefixReuseOptions, RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, check_prefix_reuse,
+    device_has_bf16, join_cpu_processes,
 )
 
 
 @dataclass
 class GroupLayoutOptions:
-    """How the per-token log-prob passes lay out TRL's rows (none of these changes a result)."""
+    """How the per-token log-prob passes lay out TRL's rows, how generation prefills the prompts, and how reward
+    models score (none of these changes a result beyond float rounding)."""
 
     prefix_sharing: bool = field(
         default=True,
@@ -47,6 +49,22 @@ class GroupLayoutOptions:
         metadata={"help": "Attention backend of the log-prob passes: auto (flex on CUDA, sdpa else), sdpa, flex, "
                           "segmented, varlen (CUDA). Generation keeps the model's stock attention path."},
     )
+    shared_prompt_generation: bool = field(
+        default=True,
+        metadata={"help": "transformers generate (use_vllm false): prefill each unique prompt once and copy its KV "
+                          "cache to its num_generations rows, then decode with transformers' generate and TRL's "
+                          "generation config (same seed, same completions as TRL's; the cache still holds a copy per "
+                          "row). Falls back to TRL's call, said once, for beam search, static/quantized caches, "
+                          "images, active dropout. With use_vllm it does nothing: TRL's server mode already sends "
+                          "each prompt once with n=num_generations, and colocate mode sends the copies to vLLM, "
+                          "whose automatic prefix caching (on by default in its V1 engine) computes a prompt's full "
+                          "KV blocks once for the requests that share them (checked at start, said if off)."},
+    )
+    shared_prompt_scoring: bool = field(
+        default=True,
+        metadata={"help": "Reward models among reward_funcs score each prompt's completions on one prefix-shared "
+                          "line (the tokens the completions share computed once; off: TRL's padded rows)."},
+    )
 
     def _resolve_before_trl(self) -> None:
         """TRL's defaults where they need the device (see the module doc); before TRL's own `__post_init__`."""
@@ -60,10 +78,11 @@ class GroupLayoutOptions:
     def _check_prefix_options(self) -> None:
         check_attention_and_pack_length(self)
         check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
+        check_prefix_reuse(self)
 
 
 @dataclass
-class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
+class PrefixGRPOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, GRPOConfig):
     """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions` + `RunSafetyOptions` (a non-finite
     step, an output_dir of another run)."""
 
@@ -74,7 +93,7 @@ class PrefixGRPOConfig(GroupLayoutOptions, RunSafetyOptions, GRPOConfig):
 
 
 @dataclass
-class PrefixRLOOConfig(GroupLayoutOptions, RunSafetyOptions, RLOOConfig):
+class PrefixRLOOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, RLOOConfig):
     """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions` + `RunSafetyOptions`."""
 
     def __post_init__(self) -> None:
@@ -123,8 +142,10 @@ class GroupScriptArguments(ScriptArguments):
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": f"Reward functions: TRL's {', '.join(TRL_REWARD_NAMES)} (get_soft_overlong_punishment with "
-                          "TRL's max_completion_len=1280, soft_punish_cache=256), or module:function / "
-                          "module.function (a module on the Python path or in the current folder)."},
+                          "TRL's max_completion_len=1280, soft_punish_cache=256), module:function / "
+                          "module.function (a module on the Python path or in the current folder), or a reward "
+                          "model: a folder with a saved model or a hub id org/name (scored prefix-shared, see "
+                          "shared_prompt_scoring)."},
     )
     max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip (counted)."})

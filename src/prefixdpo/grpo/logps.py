@@ -17,8 +17,9 @@ import torch
 
 from prefixdpo.core.model_checks import base_model, text_config
 
-from prefixdpo.core.attention.backends import build_attention_mask, segment_plan_mask
-from prefixdpo.core.attention.segments import build_segment_plan
+from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.reuse_plan import PrefixReuse
+from prefixdpo.errors import ConfigError
 
 from prefixdpo.core.forward import final_hidden_states, through_engine
 
@@ -120,16 +121,13 @@ def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, setti
 GROUP_SEGMENT_WASTE = 0.1
 
 
-def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str):
-    """The attention mask of lines [start, end) for `backend`, built once per layout (`GroupLines.masks`)."""
-    key = (start, end, backend)
+def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str, tokens_per_pass: int | None = None):
+    """The attention mask of lines [start, end) for `backend` (a `PrefixReuse` plan for a line over
+    `tokens_per_pass`), built once per layout (`GroupLines.masks`)."""
+    key = (start, end, backend, tokens_per_pass)
     if key not in lines.masks:
-        doc_ids, branch_ids = lines.doc_ids[start:end], lines.branch_ids[start:end]
-        if backend == "segmented":
-            plan = build_segment_plan(doc_ids, branch_ids, waste=GROUP_SEGMENT_WASTE)
-            lines.masks[key] = segment_plan_mask(plan, doc_ids.device)
-        else:
-            lines.masks[key] = build_attention_mask(doc_ids, branch_ids, backend)
+        lines.masks[key] = batch_attention_mask(lines.spans[start:end], backend, segment_waste=GROUP_SEGMENT_WASTE,
+                                                max_tokens_per_pass=tokens_per_pass)
     return lines.masks[key]
 
 
@@ -149,10 +147,12 @@ def group_logps(
     max_slots: int,
     compute_entropy: bool = False,
     aux_row_chunks: list[torch.Tensor] | None = None,
+    tokens_per_pass: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TRL's `(per-token log-probs [N, K], entropies [N, K] or None, MoE aux loss or None)` from the lines.
 
-    backend: a resolved attention backend; max_slots: line slots per forward (`line_chunks`).
+    backend: a resolved attention backend; max_slots: line slots per forward (`line_chunks`); tokens_per_pass: prefix
+    reuse's budget (a line over it runs its prompt once and its completions in chunks, `core.prefix_reuse`), or None.
     aux_row_chunks: TRL's forwards as row-index tensors, when the load-balancing loss is asked for: TRL
     averages it over its forwards, each over its own rows' real tokens (`aux_token_weights`).
     """
@@ -160,8 +160,12 @@ def group_logps(
     logps, entropies, router = [], [], []
     for start, end in line_chunks(lines, max_slots):
         targets = _chunk_targets(lines, start, end)
+        mask = _chunk_mask(lines, start, end, backend, tokens_per_pass)
+        if aux and isinstance(mask, PrefixReuse):
+            raise ConfigError("prefix_reuse does not compute the MoE load-balancing loss (its router logits come in "
+                              "chunks, not the lines' layout): set router_aux_loss_coef 0, or prefix_reuse false")
         inputs = {"input_ids": lines.input_ids[start:end], "position_ids": lines.position_ids[start:end],
-                  "attention_mask": _chunk_mask(lines, start, end, backend)}
+                  "attention_mask": mask, "spans": lines.spans[start:end]}
         out = through_engine(model, _lines_body(model, lines, start, targets, settings, compute_entropy, aux), **inputs)
         logps.append(out["logps"])
         if compute_entropy:

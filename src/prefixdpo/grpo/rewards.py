@@ -5,7 +5,9 @@
   (max_completion_len=1280, soft_punish_cache=256);
 - `module:function` or `module.function`: a function of an importable module (the current folder is searched
   first, as TRL's script does), called as TRL calls reward functions (`prompts`, `completions`, the dataset's
-  other fields, ... as keyword arguments; a list of floats back).
+  other fields, ... as keyword arguments; a list of floats back);
+- a reward model: a folder holding a saved model (its `config.json`) or a hub id `org/name`, handed to TRL as its
+  name (TRL loads it as a sequence classifier with `num_labels=1`, as `--reward_model_name_or_path`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,24 @@ def imported_reward(spec: str):
     return func
 
 
+def is_reward_model_name(name: str) -> bool:
+    """Whether `name` names a reward model (a folder with a saved model, or a hub id `org/name`); a folder without
+    a model in it is a ConfigError."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"reward_funcs: {name!r} is a folder without a saved model (no config.json)")
+        return True
+    return "/" in name and ":" not in name and not name.startswith((".", "/", "~")) and not os.path.exists(name)
+
+
 def resolve_rewards(names: list[str] | None, reward_model: str | None) -> list:
     """TRL's `reward_funcs` list: the reward model's name first (TRL loads it), then each named function."""
     rewards = [reward_model] if reward_model else []
     for name in names or []:
-        rewards.append(trl_reward(name) if name in TRL_REWARD_NAMES else imported_reward(name))
+        if name in TRL_REWARD_NAMES:
+            rewards.append(trl_reward(name))
+        else:
+            rewards.append(name if is_reward_model_name(name) else imported_reward(name))
     if not rewards:
         raise ConfigError("no reward: name --reward_funcs (TRL's names or module:function) or "
                           "--reward_model_name_or_path")

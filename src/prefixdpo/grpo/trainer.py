@@ -1,9 +1,13 @@
 """`PrefixGRPOTrainer` / `PrefixRLOOTrainer`: TRL 1.16's `GRPOTrainer` / `RLOOTrainer` whose per-token log-prob
-passes run on prefix-shared rows.
+passes run on prefix-shared rows, whose transformers generation prefills each prompt once, and whose reward models
+score each prompt's completions on one shared line.
 
-Everything else is TRL's own code: generation, reward functions and models, advantages, every loss type,
-clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Only the one method
-through which TRL computes *every* log-prob pass is replaced, `_get_per_token_logps_and_entropies`:
+Everything else is TRL's own code: the generation loop and its config, reward functions, advantages, every loss
+type, clipping, importance sampling, KL, entropy masks and bonus, logging, tool-call masks. Generation and reward
+models are each one call routed inside TRL's own method (`rollout.py`: `generate` in `_generate_single_turn`, the
+reward model's forward in `_calculate_rewards`; options `shared_prompt_generation`, `shared_prompt_scoring`). For
+the log-probs, only the one method through which TRL computes *every* pass is replaced,
+`_get_per_token_logps_and_entropies`:
 
 - It is the narrowest point that sees all three passes (the policy with gradient in `_compute_loss`, the
   old policy and the reference in `_generate_and_score_completions`), in both trainers, with one contract:
@@ -22,7 +26,9 @@ through which TRL computes *every* log-prob pass is replaced, `_get_per_token_lo
 Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between this class and TRL's): staged
 checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
 the trajectory options), `resume_from_checkpoint="latest"`, another run's output_dir refused, SIGTERM/SIGUSR1 ->
-checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports.
+checkpoint + `TrainingPreempted`, the non-finite guard on TRL's loss and gradient norm, staged exports; a reward
+function that raises or breaks TRL's contract stops the run in one line, and a step with no usable reward (all
+None/NaN, or any inf) is a non-finite step (`reward_checks.py`).
 
 A resume continues the uninterrupted run exactly when its checkpoint ends a generation cycle (every checkpoint
 with TRL's defaults `steps_per_generation` = `gradient_accumulation_steps`, `num_iterations` = 1): generation
@@ -45,12 +51,14 @@ from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
-from prefixdpo.core.engines import enable_requested_fsdp
+from prefixdpo.core.engines import enable_requested_fsdp, refuse_prefix_reuse_on_sharded_engines
 from prefixdpo.training.nonfinite import check_engine_support
-from prefixdpo.training.options import RunSafetyOptions
+from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
+from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
+from prefixdpo.grpo.reward_checks import GuardedRewards
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +90,15 @@ class PrefixSharedLogps:
         self._fallbacks_noted: set[str] = set()
         # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
         self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
+        self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
         if not self._option("prefix_sharing"):
             return
         backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)
+        if getattr(self.args, "prefix_reuse", False):  # a plain TRL config has no such option: off
+            self._tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 
     # ---- the pass -------------------------------------------------------------------------------
 
@@ -116,7 +127,8 @@ class PrefixSharedLogps:
         settings = trl_head_settings(model, self.temperature, self._cast_head_to_fp32())
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
-                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows)
+                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
+                                 tokens_per_pass=self._tokens_per_pass)
         self._count_sharing(lines)
         return result
 
@@ -126,7 +138,7 @@ class PrefixSharedLogps:
         content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
         settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
-                    str(self._option("pack_length")), backend in ("flex", "varlen"))
+                    str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass)
         cached = getattr(self, "_last_layout", None)
         if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
                 and _same(cached[2], attention_mask)):
@@ -135,6 +147,7 @@ class PrefixSharedLogps:
             input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
             pack_length=self._option("pack_length"),
             bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
+            alone_above=self._tokens_per_pass,  # prefix reuse: a longer group gets a line of its own
         )
         self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
         return lines
@@ -190,6 +203,7 @@ class PrefixSharedLogps:
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
+        refuse_prefix_reuse_on_sharded_engines(self)
         _fill_safety_defaults(self.args)
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
@@ -241,21 +255,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, SurvivingRun, GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
-    survive (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._setup_shared_generation()
+        self._setup_shared_scoring()
+        self._guard_reward_funcs()
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, SurvivingRun, RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, and runs that
-    survive (`SurvivingRun`)."""
+class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
+                        RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
+    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
+    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_prefix_sharing()
+        self._setup_shared_generation()
+        self._setup_shared_scoring()
+        self._guard_reward_funcs()
         self._init_survival()

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from prefixdpo.data.batch import Batch
+from prefixdpo.data.lines import sequence_tokens
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
-from prefixdpo.core.forward import decoder_output, through_engine
+from prefixdpo.core.forward import batch_inputs, pass_hidden_states, through_engine
 from prefixdpo.core.logprobs import UnsupportedModelError
 
 
@@ -45,20 +46,13 @@ def score_head(model) -> torch.nn.Module:
 def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(line [R], column [R]) of the token whose hidden state scores each response (module docstring).
 
-    The candidates of response r are the tokens of its own sequence: its document's prompt (branch 0) and its own
-    branch; on tree lines, the tokens whose span holds the sequence's last token (`Batch.response_last`: its
+    The candidates of response r are the tokens of its own sequence (`lines.sequence_tokens`: its last token's
     ancestors and itself). -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
-    sequence's first token. (A line holds a sequence's tokens in their order in both layouts.)
+    sequence's first token. (A line holds a sequence's tokens in their order.)
     """
     line = batch.response_line
     ids = batch.input_ids[line]  # [R, L]
-    if batch.is_tree:
-        spans, last = batch.tree_spans[line], batch.response_last[:, None]  # [R, L, 2], [R, 1]
-        own = (spans[..., 0] <= last) & (last < spans[..., 1])  # padding's span (-1, -1) holds no column
-    else:
-        docs, branches = batch.doc_ids[line], batch.branch_ids[line]
-        doc, branch = batch.response_doc[:, None], batch.response_branch[:, None]
-        own = (docs == doc) & ((branches == 0) | (branches == branch))
+    own = sequence_tokens(batch)
     kept = own if pad_token_id is None else own & (ids != pad_token_id)
     columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     last = torch.where(kept, columns, -1).amax(dim=1)
@@ -84,12 +78,11 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
 
     def body(inner_forward, **inputs) -> dict:
-        hidden, _ = decoder_output(model, inner_forward, **inputs)
+        hidden, _ = pass_hidden_states(model, inner_forward, **inputs)
         # the head's own dtype: under mixed precision the body's output may differ from the head's weights
         dtype = next(head.parameters()).dtype
         if empty:
             return {"scores": head(hidden[:, -1].to(dtype)).float().sum().reshape(1) * 0.0}
         return {"scores": head(hidden[line, column].to(dtype)).float().squeeze(-1)}
 
-    inputs = {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
-    return through_engine(model, body, **inputs)["scores"]
+    return through_engine(model, body, **batch_inputs(batch, attention_mask))["scores"]

@@ -22,6 +22,7 @@ from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_r
 from prefixdpo.reward.model import prepare_reward_model
 from prefixdpo.reward.scores import compute_response_scores
 from prefixdpo.training.base import PrefixTrainerBase
+from prefixdpo.training.options import resolve_tokens_per_pass
 
 __all__ = ["PrefixRewardTrainer"]
 
@@ -42,6 +43,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         args = self._checked_args(args, PrefixRewardConfig)
         model, processing_class = prepare_reward_model(model, args, backend=self.backend, peft_config=peft_config,
                                                        tokenizer=processing_class)
+        self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
         self._data_options = data_options or reward_data_options(args)
         self.data_reports: dict = {}
         train, evals = self._examples_of(train_dataset, eval_dataset, processing_class, args)
@@ -62,7 +64,8 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
         batch = inputs.batch.to(self.args.device)
-        scores = compute_response_scores(model, batch, batch_attention_mask(batch, self.backend))
+        mask = batch_attention_mask(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
+        scores = compute_response_scores(model, batch, mask)
         if batch.num_pairs == 0:
             return None, scores
         margins = inputs.margins

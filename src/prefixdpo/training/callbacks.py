@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
+import time
 
 from transformers import TrainerCallback
 
@@ -16,23 +18,50 @@ from prefixdpo.core.engines import describe_engine
 logger = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before killing a job
+# Under torchrun a terminal's Ctrl-C reaches each worker twice within milliseconds: from the terminal (one process
+# group) and forwarded by torchrun's agent. A SIGINT that soon after the first is the same key press.
+SAME_CTRL_C_S = 2.0
+
+
+def _say(text: str) -> None:
+    """One line on stderr from a signal handler: os.write, since a buffered stream the interrupted code was
+    writing to raises on a reentrant write; said by the first process only."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (text + "\n").encode())
 
 
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 during training: remembered by the handler, acted on at the end of the optimizer step
-    (`survival.SurvivalCallback.on_step_end`). Handlers can only be installed from the main thread."""
+    """SIGTERM / SIGUSR1 / a first Ctrl-C (SIGINT) during training: remembered by the handler, acted on at the end
+    of the optimizer step (`survival.SurvivalCallback.on_step_end`: a complete checkpoint, then a stop). A second
+    Ctrl-C stops at once (KeyboardInterrupt): a checkpoint being written then stays in its hidden staging folder,
+    never in view. Handlers can only be installed from the main thread."""
 
     def __init__(self):
         self.received: int | None = None
+        self._first_interrupt: float | None = None
         self._previous: dict = {}
 
     def install(self) -> None:
-        self.received = None
+        self.received, self._first_interrupt = None, None
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in PREEMPTION_SIGNALS}
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    def _interrupt(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._first_interrupt is None:
+            self._first_interrupt = now
+            self.received = signum
+            _say("prefixdpo: Ctrl-C: finishing this optimizer step, then saving a checkpoint "
+                 "(Ctrl-C again to stop at once, losing the step)")
+            return
+        if os.environ.get("TORCHELASTIC_RUN_ID") and now - self._first_interrupt < SAME_CTRL_C_S:
+            return  # torchrun forwarding the same Ctrl-C
+        self.restore()
+        raise KeyboardInterrupt
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

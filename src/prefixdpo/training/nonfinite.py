@@ -154,6 +154,7 @@ class NonFiniteGuard:
         self.skipper: StepSkipper | None = None
         self._losses: list[torch.Tensor] = []
         self._grad_norm = None
+        self._cause: str | None = None  # why this step's loss was made NaN (a GRPO step on unusable rewards)
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -172,9 +173,14 @@ class NonFiniteGuard:
     def note_grad_norm(self, grad_norm) -> None:
         self._grad_norm = grad_norm
 
+    def note_cause(self, cause: str) -> None:
+        """Why a micro-batch's loss of this step was made NaN on purpose (said instead of "the loss was nan"; the
+        same on every rank: the rewards it comes from were gathered)."""
+        self._cause = cause
+
     def attach(self, trainer) -> None:
         """At train start (the optimizer is prepared): the skipper where the guard itself skips steps."""
-        self._losses, self._grad_norm = [], None  # nothing left over from a run that raised mid-step
+        self._losses, self._grad_norm, self._cause = [], None, None  # nothing left over from a run that raised
         deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None) is not None
         if self.policy == "skip" and not deepspeed:
             if self.skipper is None or self.skipper.accelerated is not trainer.optimizer:
@@ -210,7 +216,7 @@ class NonFiniteGuard:
         skipper or DeepSpeed drops the step), or NonFiniteLossError. `last_good` names the checkpoint to
         resume from, asked only when raising."""
         flags = self._local_flags(trainer, model)
-        self._losses, self._grad_norm = [], None
+        cause, self._losses, self._grad_norm, self._cause = self._cause, [], None, None
         if trainer.accelerator.num_processes > 1:  # one collective: every rank sees every rank's flags
             flags = trainer.accelerator.gather(flags)
         flags = flags.cpu().tolist()
@@ -218,7 +224,9 @@ class NonFiniteGuard:
         if not loss_ranks and not any(row[1] for row in flags):
             self.consecutive = 0
             return
-        what = self._describe(flags, loss_ranks, trainer.accelerator.num_processes)
+        what = cause or self._describe(flags, loss_ranks, trainer.accelerator.num_processes)
+        advice = ("Fix the reward function, or use nonfinite=skip to skip such steps" if cause else
+                  "Try a lower learning rate, bf16/fp32 instead of fp16, check the data, or nonfinite=skip")
         deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None) is not None
         if deepspeed and not trainer.accelerator.optimizer_step_was_skipped:
             raise NonFiniteLossError(f"optimizer step {step}: {what}, and DeepSpeed applied it; resume from the "
@@ -226,8 +234,7 @@ class NonFiniteGuard:
         self.consecutive += 1
         if self.policy == "stop":
             raise NonFiniteLossError(f"optimizer step {step}: {what}; stopped before applying it (nonfinite=stop). "
-                                     f"Last good checkpoint: {last_good() or 'none saved yet'}. Try a lower "
-                                     "learning rate, bf16/fp32 instead of fp16, check the data, or nonfinite=skip")
+                                     f"Last good checkpoint: {last_good() or 'none saved yet'}. {advice}")
         self.skipped += 1
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteLossError(

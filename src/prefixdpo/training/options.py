@@ -55,6 +55,63 @@ class PrefixSharingOptions:
     attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
 
 
+PREFIX_REUSE_HELP = (
+    "A prefix-shared example (a prompt and its responses, a GRPO prompt and its completions, a trie) longer than "
+    "max_tokens_per_pass runs its shared prefix once, keeping each layer's keys and values, and its responses in "
+    "chunks of at most max_tokens_per_pass tokens against them (`core.prefix_reuse`): the same loss and gradients "
+    "as one row, with the activations of the prefix and one chunk alive instead of the whole row's, for one more "
+    "forward of the response tokens (each chunk is recomputed in backward; never the prefix). Shorter examples run "
+    "as one row, unchanged. Examples run unpacked (packing false; GRPO's over-long groups get a line of their own).")
+MAX_TOKENS_PER_PASS_HELP = (
+    "prefix_reuse: the most tokens one forward pass may hold (an int), or 'auto': the budget this device's memory "
+    "allows (`core.fit.auto_tokens_per_pass`, an estimate of activation memory per token from the model's shape).")
+
+
+@dataclass
+class PrefixReuseOptions:
+    """Examples too long for one pass: their shared prefix once, their responses in chunks against its K/V."""
+
+    prefix_reuse: bool = field(default=False, metadata={"help": PREFIX_REUSE_HELP})
+    max_tokens_per_pass: str = field(default="auto", metadata={"help": MAX_TOKENS_PER_PASS_HELP})
+
+
+def check_prefix_reuse(args) -> None:
+    """One-line ConfigErrors for the prefix-reuse options (`PrefixReuseOptions`); an int budget is made an int."""
+    budget = str(args.max_tokens_per_pass)
+    if budget != "auto":
+        try:
+            args.max_tokens_per_pass = int(budget)
+        except ValueError:
+            raise ConfigError(f"max_tokens_per_pass={budget!r}: expected 'auto' or a number of tokens") from None
+        if args.max_tokens_per_pass < 1:
+            raise ConfigError(f"max_tokens_per_pass={budget}: must be positive")
+        if not args.prefix_reuse:
+            raise ConfigError(f"max_tokens_per_pass={budget} has no effect without prefix_reuse: add --prefix_reuse "
+                              "true")
+    if args.prefix_reuse and not getattr(args, "prefix_sharing", True):
+        raise ConfigError("prefix_reuse=true needs prefix_sharing=true: the prefix is what the responses share")
+
+
+def resolve_tokens_per_pass(args, model) -> int | None:
+    """The budget of one pass with `prefix_reuse` (`max_tokens_per_pass`, or what the device allows for `model`:
+    `core.fit.auto_tokens_per_pass`), else None: a batch line over it runs its prefix once and its responses in
+    chunks (`core.prefix_reuse`)."""
+    if not args.prefix_reuse:
+        return None
+    if str(args.max_tokens_per_pass) != "auto":
+        return int(args.max_tokens_per_pass)
+    import torch
+
+    from prefixdpo.core.fit import auto_tokens_per_pass
+    from prefixdpo.core.model_checks import base_model
+
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)  # autocast: activations in 2 bytes
+    itemsize = 2 if half else torch.finfo(base_model(model).dtype).bits // 8
+    budget = auto_tokens_per_pass(model, args.device, itemsize)
+    logging.getLogger(__name__).info("prefix_reuse: at most %d tokens per pass (max_tokens_per_pass=auto)", budget)
+    return budget
+
+
 @dataclass
 class RunSafetyOptions:
     """What a run does with a non-finite step, and with an output_dir that holds another run."""
@@ -203,6 +260,10 @@ def check_shared_options(args) -> None:
     if args.prefix_tree and not (args.prefix_sharing and args.packing):
         raise ConfigError("prefix_tree=true needs prefix_sharing=true and packing=true: a trie shares tokens across "
                           "the records of one packed line")
+    check_prefix_reuse(args)
+    if args.prefix_reuse and args.packing:
+        raise ConfigError("prefix_reuse=true runs examples unpacked (a packed line's examples share no prefix to run "
+                          "once): set packing false")
     check_nonfinite_options(args.nonfinite, args.nonfinite_max_consecutive)
     if args.train_sampling_strategy not in ("random", "sequential"):
         # Trainer's samplers are replaced by our micro-batch plan; packing is how we group by length.

@@ -6,7 +6,8 @@
   `resume_from_checkpoint="latest"` takes the newest complete checkpoint of this run; an output_dir holding
   another run is refused (or cleared with `overwrite_output_dir`); every such decision is taken on rank 0 and
   broadcast;
-- preemption: SIGTERM/SIGUSR1 end the optimizer step, save a checkpoint and raise `TrainingPreempted`;
+- preemption: SIGTERM/SIGUSR1 end the optimizer step, save a checkpoint and raise `TrainingPreempted` (exit 75); a
+  first Ctrl-C does the same and raises `TrainingInterrupted` (exit 130), a second one stops at once;
 - non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
   which stops or skips a step that is not finite on some rank before it is applied;
 - exports: a whole, stock-loadable model, staged and moved into place file by file, with the run file last.
@@ -31,7 +32,7 @@ from transformers import TrainerCallback
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.engines import whole_model_state_dict
 from prefixdpo.core.model_checks import restore_stock_attention
-from prefixdpo.errors import TrainingPreempted, UserError
+from prefixdpo.errors import TrainingInterrupted, TrainingPreempted, UserError
 from prefixdpo.rank_decisions import any_rank, from_rank0
 from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import PreemptionSignals
@@ -52,17 +53,23 @@ class SurvivalCallback(TrainerCallback):
         self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
         self.signals.install()
 
+    def _stop_now(self, args, state) -> bool:
+        """Whether a signal reached any rank (every rank stops after the same step, whichever ranks it reached);
+        if so, the step it stops after and whether it was a Ctrl-C anywhere (every rank ends the same way)."""
+        if self.trainer.preempted_at is not None or not any_rank(self.signals.received is not None, args.device):
+            return False
+        self.trainer.preempted_at = state.global_step
+        self.trainer.interrupted = any_rank(self.signals.received == signal.SIGINT, args.device)
+        return True
+
     def on_step_end(self, args, state, control, **kwargs):
-        # every rank stops after the same step, whichever ranks the signal reached
-        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
-            self.trainer.preempted_at = state.global_step
+        if self._stop_now(args, state):
             control.should_save = True  # Trainer saves (a complete checkpoint) right after this hook
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         # a signal after the last step's check still means "stop, not done": `train` saves and raises
-        if self.trainer.preempted_at is None and any_rank(self.signals.received is not None, args.device):
-            self.trainer.preempted_at = state.global_step
+        self._stop_now(args, state)
         self.signals.restore()  # from here a SIGTERM ends the process as usual (nothing exported yet)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -82,6 +89,7 @@ class SurvivingRun:
         self.nonfinite = NonFiniteGuard(self.args.nonfinite, self.args.nonfinite_max_consecutive)
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
         self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
+        self.interrupted = False  # ... and whether that signal was a Ctrl-C
         drop_transformers_jit_checkpoint(self)  # our preemption handling replaces it
         self.survival_callback = SurvivalCallback(self)
         self.add_callback(self.survival_callback)
@@ -193,7 +201,7 @@ class SurvivingRun:
         self.run_fingerprint = checkpoints.run_fingerprint(self.model, self._fingerprint_data(), self.args,
                                                            type(self).__name__)
         resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
-        self.preempted_at = None
+        self.preempted_at, self.interrupted = None, False
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
@@ -202,7 +210,8 @@ class SurvivingRun:
             folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
             if not os.path.isdir(folder):  # the signal came after the last step's check: save now
                 self._save_checkpoint(self.model, trial=None)
-            raise TrainingPreempted(self.preempted_at, self.state.max_steps, folder)
+            stopped = TrainingInterrupted if self.interrupted else TrainingPreempted
+            raise stopped(self.preempted_at, self.state.max_steps, folder)
         return output
 
     # ---- save ----------------------------------------------------------------------------------

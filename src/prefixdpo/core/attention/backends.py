@@ -3,10 +3,9 @@
 `ATTENTION_NAME` is registered with `transformers.AttentionInterface`, so every model that supports
 sdpa/flex runs it without per-architecture patches. transformers hands a 4D tensor or a BlockMask given
 as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
-build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor
-carrying a `prefix_plan` runs segmented SDPA, one carrying a `varlen_plan` runs FlashAttention varlen.
-Tree lines (`data.tree`) have each backend's mask built along their tree (`build_tree_attention_mask`): every backend
-follows them.
+build (`batch_attention_mask`, from the lines' spans, the one rule of `masks.py`): a BlockMask runs FlexAttention, a
+dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor carrying a `prefix_plan` runs segmented SDPA, one
+carrying a `varlen_plan` runs FlashAttention varlen.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask, tree_block_mask, tree_dense_mask
+from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
+from prefixdpo.core.attention.reuse_plan import plan_reuse
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
 
@@ -47,8 +47,12 @@ def _is_block_mask(mask) -> bool:
 def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """query [B,H,L,D], key/value [B,Hkv,L,D]; attention_mask a BlockMask, a bool [B,1,L,L], or None.
 
-    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then.
+    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then. A mask carrying
+    `prefix_kv` (`PrefixKV`, prefix reuse) records this layer's keys and values, or puts a cached prefix's before them.
     """
+    store = getattr(attention_mask, "prefix_kv", None)
+    if store is not None:
+        key, value = store.keys_values(module, key, value)
     if attention_mask is not None and _is_block_mask(attention_mask):
         return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
     plan = getattr(attention_mask, "prefix_plan", None)
@@ -76,6 +80,40 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
     else:
         kwargs["is_causal"] = False
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class PrefixKV:
+    """Per-layer keys and values of a cached prefix, travelling with a pass's mask (`prefix_kv`) to every attention
+    call, by the attention module's `layer_idx` (`core.prefix_reuse`). `record()`: the prefix's own pass, which keeps
+    each layer's key/value [B, Hkv, p, D] (with their autograd graph); `prepended()`: a pass over tokens after the
+    prefix, whose keys and values are the prefix's followed by its own. Through prefixdpo's attention rather than
+    a transformers cache, so gradient checkpointing (which drops a layer's cache) keeps it."""
+
+    def __init__(self, layers: dict | None = None, recording: bool = True):
+        self.layers = {} if layers is None else layers
+        self.recording = recording
+
+    def prepended(self) -> "PrefixKV":
+        """A store that puts this one's keys and values before a later pass's own (a snapshot: a layer recomputed
+        in backward may record again)."""
+        return PrefixKV(dict(self.layers), recording=False)
+
+    def keys_values(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise ConfigError(f"prefix_reuse needs attention modules with a layer_idx; {type(module).__name__} has "
+                              "none: set prefix_reuse false")
+        if self.recording:
+            self.layers[layer] = (key, value)
+            return key, value
+        cached_key, cached_value = self.layers[layer]
+        return torch.cat([cached_key, key], dim=2), torch.cat([cached_value, value], dim=2)
+
+
+def with_prefix_kv(mask, store: PrefixKV):
+    """`mask` (any backend's) carrying `store` to the attention calls of its pass."""
+    mask.prefix_kv = store
+    return mask
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
@@ -108,51 +146,27 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
     return backend
 
 
-def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backend: str):
-    """The mask object for a resolved backend: BlockMask for flex, bool [B,1,L,L] for sdpa, a
-    plan-carrying tensor for segmented and varlen."""
+def batch_attention_mask(lines, backend: str, *, segment_waste: float = 0.25, queries_from: int = 0,
+                         max_tokens_per_pass: int | None = None):
+    """The mask object of `lines` (a `data.lines.Lines`, or its [B, L, 2] spans) for a resolved backend: the dense
+    bool [B, 1, L, L] mask for sdpa, the BlockMask for flex, a plan-carrying tensor for segmented and varlen; one
+    rule, over the spans (`masks.py`). segment_waste: the padding a group of segments may add (`segments._group`).
+    queries_from: the pass's queries are the columns from there on, its keys the whole line (the first columns are a
+    cached prefix's, `core.prefix_reuse`). max_tokens_per_pass: with prefix reuse on, the budget of one pass: a batch
+    with a line over it gets its `reuse_plan.PrefixReuse` instead of a mask (its passes build their own masks)."""
+    spans = lines if isinstance(lines, torch.Tensor) else lines.spans
+    if max_tokens_per_pass is not None:
+        reuse = plan_reuse(spans, max_tokens_per_pass, backend, segment_waste)
+        if reuse is not None:
+            return reuse
     if backend == "varlen":
-        return varlen.varlen_plan_mask(varlen.build_varlen_plan(doc_ids, branch_ids), doc_ids.device)
+        return varlen.varlen_plan_mask(varlen.build_varlen_plan(spans, queries_from), spans.device)
     if backend == "segmented":
-        return segment_plan_mask(build_segment_plan(doc_ids, branch_ids), doc_ids.device)
+        plan = build_segment_plan(spans, waste=segment_waste, queries_from=queries_from)
+        return segment_plan_mask(plan, spans.device)
     if backend == "flex":
-        return block_mask(doc_ids, branch_ids)
+        return block_mask(spans, queries_from=queries_from)
     if backend == "sdpa":
-        return dense_mask(doc_ids, branch_ids)
+        return dense_mask(spans, queries_from)
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
 
-
-def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
-    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend, marked `follows_tree`: the
-    dense SDPA mask of the tree rule, the segment plan or the varlen plan cut along the tree, or the tree's
-    FlexAttention BlockMask. Every backend follows tree lines."""
-    if backend == "varlen":
-        mask = varlen.varlen_plan_mask(varlen.build_tree_varlen_plan(tree_spans), tree_spans.device)
-    elif backend == "segmented":
-        lines = torch.zeros(tree_spans.shape[:2], dtype=torch.long, device=tree_spans.device)  # [B, L]: the shape
-        plan = build_segment_plan(lines, lines, tree_spans=tree_spans)
-        mask = segment_plan_mask(plan, tree_spans.device)
-    elif backend == "flex":
-        mask = tree_block_mask(tree_spans)
-    elif backend == "sdpa":
-        mask = tree_dense_mask(tree_spans)
-    else:
-        raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
-    mask.follows_tree = True
-    return mask
-
-
-def batch_attention_mask(batch, backend: str):
-    """The mask of `batch` (a `data.batch.Batch`) for a resolved backend: its tree's for tree lines, else the
-    (document, branch) rule's (`build_attention_mask`)."""
-    if batch.is_tree:
-        return build_tree_attention_mask(batch.tree_spans, backend)
-    return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-
-
-def check_mask_follows_lines(batch, attention_mask) -> None:
-    """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
-    let each token see the wrong ones. A ConfigError in one line."""
-    if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
-        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, or "
-                          "batch_attention_mask for any batch); this mask follows the (document, branch) rule")

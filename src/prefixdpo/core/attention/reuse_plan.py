@@ -1,0 +1,94 @@
+"""How a line too long for one pass is run by prefix reuse (`core.prefix_reuse` runs it): its shared prefix once,
+then chunks of whole subtrees, each attending the prefix's cached keys and values (module doc there). Planning only:
+which columns are the prefix and which the chunks, from the line's spans (`data.lines`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixdpo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LinePlan:
+    """How one line runs: its prefix, columns [0, prefix), once; then `chunks` of whole subtrees [start, end)."""
+
+    line: int
+    prefix: int
+    chunks: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class PrefixReuse:
+    """What a pass over a batch runs instead of one forward: per line a `LinePlan`, or None (one forward for all
+    such lines); `backend`: the attention backend each pass's mask is built for. Stands where a batch's attention
+    mask stands (`backends.batch_attention_mask` builds it when a line is over the budget)."""
+
+    plans: tuple[LinePlan | None, ...]
+    backend: str
+    segment_waste: float = 0.25
+
+
+def line_prefix(spans: torch.Tensor) -> tuple[int, int]:
+    """(prefix length p, real tokens n) of one line's [L, 2] spans: p leading tokens whose subtree holds every
+    other real token of the line (a chain, in a depth-first line); 0 when the line holds several tries."""
+    tout = spans[:, 1]
+    n = int((spans[:, 0] >= 0).sum())
+    p = 0
+    while p < n and int(tout[p]) >= n:
+        p += 1
+    return p, n
+
+
+def plan_line(spans: torch.Tensor, line: int, max_tokens: int) -> LinePlan | None:
+    """The plan of line `line` ([L, 2] spans) under a budget of `max_tokens` tokens per pass; None when the line fits
+    one pass. Chunks are consecutive subtrees after the prefix, filled up to the budget (a subtree larger than the
+    budget is a chunk alone). A line over the budget without a shared prefix (packed tries) is refused."""
+    p, n = line_prefix(spans)
+    if n <= max_tokens:
+        return None
+    if p == 0 or p >= n:
+        raise ConfigError(f"prefix reuse: a line of {n} tokens is over max_tokens_per_pass={max_tokens} but its tokens "
+                          "share no prefix (several packed examples); run such examples unpacked")
+    tout = spans[:, 1].tolist()
+    chunks: list[list[int]] = []
+    start = p
+    while start < n:
+        end = tout[start]  # one subtree
+        if chunks and end - chunks[-1][0] <= max_tokens:
+            chunks[-1][1] = end
+        else:
+            chunks.append([start, end])
+        start = end
+    return LinePlan(line, p, tuple((a, b) for a, b in chunks))
+
+
+def reused_tokens(prompt: int, responses: list[int], max_tokens: int) -> int:
+    """The most tokens whose activations a prefix-reused prompt of `prompt` tokens with responses of `responses`
+    tokens keeps at once: the prompt and its largest chunk (`plan_line`'s chunks, from lengths); the whole row when
+    it fits `max_tokens`."""
+    total = prompt + sum(responses)
+    if total <= max_tokens:
+        return total
+    chunks: list[int] = []
+    for n in responses:
+        if chunks and chunks[-1] + n <= max_tokens:
+            chunks[-1] += n
+        else:
+            chunks.append(n)
+    return prompt + max(chunks)
+
+
+def plan_reuse(spans: torch.Tensor, max_tokens: int, backend: str, segment_waste: float = 0.25) -> PrefixReuse | None:
+    """The `PrefixReuse` of [B, L, 2] spans, or None when every line fits `max_tokens` (one ordinary pass)."""
+    if max_tokens < 1:
+        raise ConfigError(f"max_tokens_per_pass={max_tokens}: expected a positive number of tokens")
+    plans = tuple(plan_line(spans[b].cpu(), b, max_tokens) for b in range(spans.shape[0]))
+    if all(plan is None for plan in plans):
+        return None
+    return PrefixReuse(plans, backend, segment_waste)
+
+
+__all__ = ["LinePlan", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse", "reused_tokens"]

@@ -1,0 +1,232 @@
+"""Shared-prompt generation: TRL's transformers `generate` of a group batch with each unique prompt prefilled once.
+
+TRL 1.16's `RepeatSampler` gives each prompt G rows, and its transformers path (`use_vllm` false) left-pads all N
+rows and calls `generate` on them: every prompt is prefilled G times. Here the N rows are grouped by their prompt
+row (token ids *and* padding, so identical rows only: what TRL's copies of one prompt are), and:
+
+1. the U unique rows' first P - 1 columns run one no-grad forward into a `DynamicCache` (the prompt's KV computed
+   once: U x (P - 1) tokens instead of N x P);
+2. the cache is expanded to the N rows by index (`Cache.batch_select_indices`, transformers' own method: row i gets
+   its prompt's keys and values);
+3. transformers' own `generate` then runs on TRL's N rows with that cache: it computes only the uncached column
+   (each row's last prompt token) and the new tokens, with TRL's `GenerationConfig` untouched (sampling,
+   temperature, top-p/k, min-p, repetition penalty over the full prompt ids, EOS and padding of finished rows).
+
+The same seed gives the same completions as TRL's: the prefill draws no random numbers (it runs only where no
+dropout is active), and `generate` draws exactly what it draws for TRL (one `multinomial` of [N, vocab] per step).
+Logits equal TRL's to fp32 rounding (a batch of U rows and one of N rows may round differently), so a sampled token
+can differ only where the draw falls within rounding of a boundary between two tokens' probabilities.
+
+What it saves and what it does not: the prefill's compute and its transient activations (U instead of N prompt
+rows through the model). The KV cache itself holds N copies of each prompt once expanded, as TRL's does (an index
+is a copy; a broadcast `expand` would stay a view only until decoding's first `torch.cat` onto the cache), so the
+cache's memory and the attention reads of every decode step are TRL's: sharing those needs attention over a shared
+prefix (cascade / Hydragen), which transformers' cache layers do not do.
+
+Where this cannot be exact it is not used, and the reason is returned (`why_not_shared`): a model or cache whose
+state is not per-token keys and values (linear attention, quantized or static caches), a prompt longer than a
+sliding window, beam search or assisted decoding, inputs besides token ids (images), a forward that draws random
+numbers (dropout or MoE router jitter in training mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import GenerationMode
+
+from prefixdpo.core.model_checks import base_model, text_config
+
+# Decoding modes whose steps read nothing but the cache and the ids so far.
+_SHARED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+# `generate` inputs the prefix prefill reproduces; anything else (pixel values, token type ids) is TRL's path.
+_TEXT_INPUTS = frozenset({"input_ids", "attention_mask"})
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """The unique prompt rows of a generate batch.
+
+    input_ids, attention_mask: [U, P] the unique rows (TRL's left padding kept); row_to_unique: [N] long.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    row_to_unique: torch.Tensor
+
+    @property
+    def num_unique(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def group_prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PromptGroups:
+    """Group the rows [N, P] by equal (ids, mask): TRL's G copies of a prompt are equal rows, and only equal rows
+    may share a cache (a different padding puts the same tokens at other columns)."""
+    P = input_ids.shape[1]
+    keys = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    return PromptGroups(unique[:, :P], unique[:, P:].to(attention_mask.dtype), inverse)
+
+
+def cache_kwarg(model) -> str | None:
+    """The name the model's forward takes its KV cache by (transformers renamed `past_key_values` to `cache`)."""
+    params = inspect.signature(base_model(model).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+# config fields of random draws a forward makes in training mode besides `nn.Dropout` modules
+_RANDOM_IN_TRAINING = ("attention_dropout", "attn_pdrop", "router_jitter_noise")
+
+
+def _draws_random_numbers(model) -> bool:
+    """Whether a forward of `model` draws random numbers (dropout, MoE router jitter, in training mode): the
+    prefill's different batch shape would then draw differently from TRL's and change every later sample."""
+    if not model.training:
+        return False
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in model.modules()):
+        return True
+    cfg = text_config(base_model(model))
+    return any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in _RANDOM_IN_TRAINING)
+
+
+def why_not_shared(model, generation_config, inputs: dict) -> str | None:
+    """Why this generate call must run as TRL runs it (None: the shared prefill reproduces it)."""
+    base = base_model(model)
+    extra = sorted(k for k, v in inputs.items() if k not in _TEXT_INPUTS and v is not None)
+    if extra:
+        return f"generate receives {', '.join(extra)} besides token ids"
+    if "input_ids" not in inputs or inputs.get("attention_mask") is None:
+        return "generate receives no token ids with an attention mask"
+    if getattr(text_config(base), "is_encoder_decoder", False):
+        return f"{type(base).__name__} is an encoder-decoder model"
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return "a PEFT prompt-learning adapter adds virtual tokens to the cache"
+    mode = generation_config.get_generation_mode()
+    if mode not in _SHARED_MODES:
+        return f"the generation mode is {mode.value} (shared only for sampling and greedy decoding)"
+    if generation_config.use_cache is False:
+        return "the generation config turns the KV cache off"
+    if generation_config.cache_implementation is not None:
+        return (f"cache_implementation={generation_config.cache_implementation!r} builds its own cache "
+                "(transformers takes no pre-filled cache with it)")
+    if generation_config.prefill_chunk_size is not None:
+        return "the generation config prefills in chunks"
+    if not base._supports_default_dynamic_cache() or cache_kwarg(model) is None:
+        return f"{type(base).__name__} does not take a DynamicCache"
+    layers = DynamicCache(config=text_config(base)).layers
+    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"})
+        return f"{type(base).__name__}'s cache holds {', '.join(kinds)} (not per-token keys and values)"
+    window = min((layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)),
+                 default=None)
+    if window is not None and inputs["input_ids"].shape[1] > window:
+        return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
+    if inputs["input_ids"].shape[1] < 2:
+        return "the prompts are one column wide (nothing before the last token to prefill)"
+    if _draws_random_numbers(model):
+        return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
+                "training mode), which depend on the batch shape")
+    return None
+
+
+@dataclass
+class PrefillCount:
+    """Prompt tokens prefilled: what TRL's generate would (every real prompt token of every row) and what ran."""
+
+    trl_tokens: int = 0
+    ran_tokens: int = 0
+
+    def add(self, groups: PromptGroups, attention_mask: torch.Tensor) -> None:
+        self.trl_tokens += int(attention_mask.sum())
+        # the unique rows' first P - 1 columns, then every row's last column inside generate
+        self.ran_tokens += int(groups.attention_mask[:, :-1].sum()) + int(attention_mask.shape[0])
+
+
+def prefill_shared_prompts(model, groups: PromptGroups) -> DynamicCache:
+    """Run the unique rows' first P - 1 columns through `model` (no grad) and return their cache expanded to the N
+    rows: [N, heads, P - 1, head_dim] keys and values per layer.
+
+    The inputs are those `generate` gives its own prefill (its `prepare_inputs_for_generation`): positions from the
+    padding mask's running count (0 at padding), the mask dropped where no row is padded."""
+    ids, mask = groups.input_ids[:, :-1], groups.attention_mask[:, :-1]
+    base = base_model(model)
+    cache = DynamicCache(config=text_config(base))
+    params = inspect.signature(base.forward).parameters
+    inputs = {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True,
+              "attention_mask": None if bool((mask == 1).all()) else mask}
+    if "position_ids" in params:
+        inputs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if "logits_to_keep" in params:
+        inputs["logits_to_keep"] = 1  # the prefill's logits are not used; one position keeps the head cheap
+    with torch.no_grad():
+        model(**inputs)
+    cache.batch_select_indices(groups.row_to_unique)
+    return cache
+
+
+def effective_generation_config(model, generation_config):
+    """The config `generate` will decode with: the one passed, its unset fields from the model's own generation
+    config (transformers' merge), so a beam count set only on the model is seen."""
+    base = base_model(model)
+    try:
+        return base._prepare_generation_config(generation_config)[0]
+    except (AttributeError, TypeError, ValueError):  # a transformers without the merge, or one that refuses it
+        return generation_config if generation_config is not None else base.generation_config
+
+
+def shared_prompt_generate(model, generate, count: PrefillCount | None = None, /, **kwargs):
+    """`generate(**kwargs)` of TRL's call (input_ids / attention_mask [N, P], generation_config) with each unique
+    prompt row prefilled once (module doc); the caller has checked `why_not_shared`.
+
+    It prefills even when no two rows are equal (a tool-call turn): every rank then runs the same number of forwards
+    whatever its rows, as sharded engines (ZeRO-3, FSDP) need for their collectives."""
+    input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
+    groups = group_prompt_rows(input_ids, attention_mask)
+    cache = prefill_shared_prompts(model, groups)
+    if count is not None:
+        count.add(groups, attention_mask)
+    return generate(**kwargs, **{cache_kwarg(model): cache})
+
+
+class SharedPromptRoute:
+    """What `model.generate` does while routed (`generate_routed`): shared-prompt generation where it is exact,
+    else the original call, with the reason handed to `note` (the trainer logs it once)."""
+
+    def __init__(self, note):
+        self.note = note
+        self.count = PrefillCount()
+
+    def __call__(self, model, generate, **kwargs):
+        config = effective_generation_config(model, kwargs.get("generation_config"))
+        reason = why_not_shared(model, config, {k: v for k, v in kwargs.items() if k != "generation_config"})
+        if reason is not None:
+            self.note(reason)
+            return generate(**kwargs)
+        return shared_prompt_generate(model, generate, self.count, **kwargs)
+
+
+@contextlib.contextmanager
+def generate_routed(model, route):
+    """While inside: `model.generate(**kwargs)` calls `route(model, original_generate, **kwargs)`; the instance's
+    own attribute is removed after (the class's method shows again)."""
+    original = model.generate
+    had_own = "generate" in vars(model)
+
+    def routed(*args, **kwargs):
+        if args:  # TRL passes keywords only; anything else is not the call this routes
+            return original(*args, **kwargs)
+        return route(model, original, **kwargs)
+
+    model.generate = routed
+    try:
+        yield
+    finally:
+        if had_own:
+            model.generate = original
+        else:
+            del model.generate
