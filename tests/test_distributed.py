@@ -129,6 +129,13 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     assert p2["logs"] and all(h["loss"] == h["loss"] for h in p2["logs"])
 
 
+# DiscoPOP's gate sigmoid(beta h / tau) (TRL's tau 0.05) has slope 1 / (4 tau) = 5 at its middle, where two of these
+# pairs' margins sit (beta h / tau ~ -0.7 and -0.3): it turns their slopes' sign, so the step's gradient is a difference
+# of terms up to 1 + 1 / (4 tau) times its largest entry. Measured under prefix reuse: 76-81 eps x the largest entry
+# in fp32, and 74 eps x it in float64 (tolerances.float64_model): the same in float64's units, so rounding only.
+GRADIENT_TERMS = {"discopop": 1 + 1 / (4 * 0.05)}
+
+
 def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
     from prefixdpo.dpo.loss_table import LOSS_TABLE
 
@@ -148,5 +155,5 @@ def test_every_loss_is_the_same_for_any_layout_of_the_step(tmp_path):
                 continue
             other = results[f"{loss}/{layout}"]
             assert_within(other["log"]["loss"], log["loss"], scale, k=K_FORWARD, what=f"{loss} {layout} loss")
-            assert_within(other["grad"], base["grad"], sgd_grad_scale(torch.tensor(base["grad"]), start, 100.0),
-                          what=f"{loss} {layout} gradient")
+            terms = sgd_grad_scale(torch.tensor(base["grad"]), start, 100.0) * GRADIENT_TERMS.get(loss, 1.0)
+            assert_within(other["grad"], base["grad"], terms, what=f"{loss} {layout} gradient")

@@ -1,29 +1,35 @@
-"""The one rule for comparing two computations of the same math (two layouts, two engines, ours and TRL's):
+"""The one rule for comparing two computations of the same math (two layouts, two engines, ours and TRL's, a run
+and its resume):
 
-    |a - b| <= K x eps x scale
+    |a - b| <= k x eps(dtype) x scale
 
-eps is the unit roundoff's double of the dtype computed in (`EPS32` 1.19e-7, `EPS64` 2.22e-16); scale is the
-magnitude of the quantities whose rounding reaches the compared value, never the compared value itself (a DPO loss
-near log 2 is small while the log-prob sums it comes from are ~100):
-- log-prob sums: the largest |sum| compared;
-- a DPO-family loss (a mean over pairs): beta (its slope in the margin is at most beta) x the mean |log-prob sum|
-  of the four sums of a pair (`dpo_loss_scale`, read off the logged means);
-- gradients: their largest entry; gradients read off an SGD step of `lr`, (start - trained) / lr, also carry the
-  rounding of the weights themselves, max|w| / lr (`sgd_grad_scale`);
-- weights after n steps: max|w| + lr x the largest update.
+eps is the dtype's machine epsilon (`EPS32` 1.19e-7, `EPS64` 2.22e-16). scale is the magnitude of the quantities
+whose rounding reaches the compared value, never the compared value itself (a DPO loss near log 2 is small while the
+log-prob sums it is made of are ~100):
+- log-prob sums: the largest |sum| (sums of negative terms: nothing cancels);
+- a DPO-family loss or reward: its slope in the sums (beta for sigmoid DPO) x a pair's four sums' mean |sum|
+  (`dpo_loss_scale`, read off the logged means; the loss is a mean over pairs);
+- a loss from a formula: |L| + 2 sum_i |dL/dx_i| |x_i| over its inputs (test_losses.loss_scale);
+- a reward score: |w| |h| of the head's dot product, whose terms cancel (test_reward_scores.score_scale);
+- gradients: their largest entry; read off an SGD step, (start - trained) / lr, plus max|w| / lr (`sgd_grad_scale`);
+- weights after steps: the largest start weight plus the largest total move (`weights_scale`).
 
-K = 64, argued once: two layouts differ only in how their reductions are grouped (which rows, which lengths, which
-vector width the CPU capability picks) and each is within its own rounding of the exact value, so their difference
-is at most twice one computation's error. In the tiny models of these tests (hidden 32, MLP 64, 2 layers, head dim
-8, rows <= 1024, vocabulary <= ~300, responses <= ~100 tokens) the longest path from the weights to a log-prob sum
-passes ~20 blocked reductions (norms, projections, scores, softmax, values, MLP, head, logsumexp, the token sum),
-each exact to ~(log2 n + 1) ulps of the sum of |terms| it reduces: a first-order worst case of a few hundred eps
-with every error aligned, and of order sqrt of that (~15-20 eps) for independent roundings. Measured across
-AVX-512, AVX2 and ATen's default kernels, fp32: log-prob sums <= 0.9 eps x scale, gradients <= 8 eps x their
-largest entry, logged losses <= 0.05 eps x `dpo_loss_scale`. K = 64 (7.6e-6 x scale in fp32) keeps 8x over the
-worst measured on three CPUs' kernels and stays far below any real layout error (a token's log-prob missing or
-attending to the wrong key moves a sum by ~1 nat, 1e5 eps x scale). A float64 run of the same comparison uses the
-same K with EPS64 (1.4e-14 x scale): agreement there shows the fp32 difference is rounding only.
+k, argued once. Two computations of the same math differ only in how their reductions are grouped (which rows,
+which lengths, which vector width the CPU capability picks); each is within its own rounding of the exact value.
+- K_FORWARD = 8: a value of forward passes (log-prob sums, scores, logits, the losses and rewards made of them; also
+  after SGD steps, which leave two runs' weights a few ulps apart). A sum's rounding is that of its last reductions
+  (logsumexp over <= ~300 logits, the sum over <= ~100 tokens: ~log2 n ulps of |sum| each), the deeper layers'
+  entering through O(1) slopes. Worst measured over the suite, AVX-512 / AVX2 / ATen default: 1.6 eps x scale.
+- K = 64: gradients, weights, and values after Adam steps. A gradient entry sums every token's contribution through
+  the whole backward (~20 blocked reductions of up to ~1000 terms in these tiny models -- hidden 32, MLP 64, 2
+  layers, rows <= 1024 -- each exact to ~log2 n + 1 ulps of the sum of |terms|, which exceeds the largest entry where
+  terms cancel): a first-order worst case of a few hundred eps, ~20 for independent roundings. Adam divides each
+  entry's step by the entry's own size, so rounding in an entry near 0 becomes a step of up to lr. Worst measured:
+  18 eps x the scale (RLOO's grad_norm after steps); 64 (7.6e-6 x scale in fp32, the "~1e-5 x scale" of STANDARDS)
+  keeps 3.5x over it.
+Both stay far below a real layout error (a token's log-prob missing or a key attended wrongly moves a sum by ~1 nat,
+~1e5 eps x scale). A float64 run of the same comparison (`float64_model`) uses the same k with EPS64: agreement
+there shows the fp32 difference is rounding only.
 """
 
 from __future__ import annotations
