@@ -20,14 +20,15 @@ which lengths, which vector width the CPU capability picks); each is within its 
   after SGD steps, which leave two runs' weights a few ulps apart). A sum's rounding is that of its last reductions
   (logsumexp over <= ~300 logits, the sum over <= ~100 tokens: ~log2 n ulps of |sum| each), the deeper layers'
   entering through O(1) slopes; 8 is the log-prob tests' 1e-6 x scale. Worst measured over the suite (AVX-512,
-  AVX2, ATen default): ~1/5 of it.
+  AVX2, ATen default): 3.0 (reward scores), 1.5 in float64.
 - K = 128: gradients, weights, and values after Adam steps. A gradient entry sums every token's contribution through
   the whole backward, ~20 blocked reductions on its longest path in these tiny models (hidden 32, MLP 64, 2 layers,
   rows <= 1024: the token sum of a weight's gradient, attention over <= 1024 keys, projections, norms, MLP, head,
   logsumexp), each exact to ~log2 n + 1 ulps of the sum of |terms| it reduces: 2 x (11 + 11 + 6 + 6 + 7 + 6) + 11 +
   6 + 9 ~ 120, the first-order bound with every rounding aligned. Adam divides each entry's step by the entry's own
   size, so rounding in an entry near 0 becomes a step of up to lr. 128 eps is 1.5e-5 x scale in fp32 (STANDARDS'
-  "~1e-5 x scale"); the worst measured is ~1/4 of it.
+  "~1e-5 x scale"). Worst measured: 36 (RLOO's grad_norm after 4 steps, vs TRL), 33 (the 3-turn tree step), 15 in
+  float64.
 Both stay far below a real layout error (a token's log-prob missing or a key attended wrongly moves a sum by ~1 nat,
 ~1e5 eps x scale). A float64 run of the same comparison (`float64_model`) uses the same k with EPS64: agreement
 there shows the fp32 difference is rounding only.
