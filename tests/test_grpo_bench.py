@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefixdpo.cli import main
-from prefixdpo.bench.grpo import (
+from prefixdpo.tools.bench.grpo import (
     MODES,
     PROFILES,
     GroupTrainingStep,
@@ -20,9 +20,9 @@ from prefixdpo.bench.grpo import (
     trl_rows_flops,
     useful_flops,
 )
-from prefixdpo.bench.model import SHAPES, llama_config
+from prefixdpo.tools.bench.model import SHAPES, llama_config
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.bench.flops import forward_flops
+from prefixdpo.tools.bench.flops import forward_flops
 from prefixdpo.core.models import load_causal_lm
 
 SHAPE = SHAPES["quick"]
