@@ -30,11 +30,6 @@ DEMO_DEFAULTS: dict[str, str] = {
 }
 
 
-def parse_reward_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
-    """`prefixdpo reward`'s options: (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)."""
-    return RECIPE.parse(argv, demo_defaults)
-
-
 class RewardRecipe(PreferenceRecipe):
     """`prefixdpo reward`: `PrefixRewardTrainer` on preference pairs (see the module doc)."""
 
@@ -83,4 +78,6 @@ RECIPE = RewardRecipe("reward", "reward-model (Bradley-Terry) training with pref
                       "demo)", description=__doc__, demo_defaults=DEMO_DEFAULTS,
                       options_at=("prefixdpo.reward.config", "REWARD_OPTIONS"), train_metric=("accuracy", "accuracy"),
                       saved="Reward model")
+# (argv, demo_defaults=None) -> (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)
+parse_reward_args = RECIPE.parse
 register, run = RECIPE.register, RECIPE.run

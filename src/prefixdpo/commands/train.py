@@ -39,11 +39,6 @@ DEMO_DEFAULTS: dict[str, str] = {
 }
 
 
-def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
-    """`prefixdpo train`'s options: (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
-    return RECIPE.parse(argv, demo_defaults)
-
-
 class TrainRecipe(PreferenceRecipe):
     """`prefixdpo train`: `PrefixDPOTrainer` on preference pairs (see the module doc)."""
 
@@ -106,4 +101,6 @@ RECIPE = TrainRecipe("train", "DPO-family training with prefix sharing (no argum
                      options_at=("prefixdpo.dpo.config", "DPO_OPTIONS"),
                      train_metric=("rewards/accuracies", "reward accuracy"))
 PARSER_KWARGS = RECIPE.parser_kwargs()
+# (argv, demo_defaults=None) -> (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`
+parse_train_args = RECIPE.parse
 register, run = RECIPE.register, RECIPE.run
