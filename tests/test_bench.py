@@ -14,7 +14,7 @@ from conftest import tiny_model
 from prefixdpo.tools.bench.modes import MODES, bucket_length, common_pack_length, layout_group
 from prefixdpo.tools.bench.step import DPOStep
 from prefixdpo.tools.bench.workloads import fixed_groups, synthetic_workload
-from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.dpo.losses import sigmoid_loss
@@ -59,7 +59,9 @@ def test_layouts_hold_the_same_targets_and_respect_the_pack_length(workload):
     assert batches["paired"].num_real_tokens == batches["paired-packed"].num_real_tokens == standard_tokens
     assert batches["shared"].num_real_tokens == batches["shared-packed"].num_real_tokens == shared_tokens
     # paired-packed: each [prompt][response] sequence is its own document (2 per example here)
-    docs = sum(len(set(line[line >= 0].tolist())) for line in batches["paired-packed"].doc_ids)
+    from prefixdpo.core.attention.draw import tree_roots
+
+    docs = sum(int(tree_roots(line.numpy()).max()) + 1 for line in batches["paired-packed"].spans)
     assert docs == 2 * len(group)
     assert batches["paired"].input_ids.shape[0] == 2 * len(group)
     assert batches["shared"].input_ids.shape[0] == len(group)
@@ -130,7 +132,7 @@ def test_every_mode_matches_stock_separate_passes(workload, arch, dtype, tol, ba
             if line_per_step and mode.endswith("packed"):
                 assert batch.input_ids.shape[0] == 1
             assert torch.equal(batch.pair_better, better) and torch.equal(batch.pair_worse, worse)
-            mask = build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
+            mask = batch_attention_mask(batch, backend)
             with torch.no_grad():
                 ref = compute_response_logps(reference, batch, mask).sums
             pol = compute_response_logps(policy, batch, mask).sums  # with grad, as in training
@@ -273,7 +275,7 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
                 assert batch.input_ids.shape[0] == len(examples)
             prepare_model(policy, "sdpa")
             prepare_model(reference, "sdpa")
-            mask = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
+            mask = batch_attention_mask(batch, "sdpa")
             with torch.no_grad():
                 pol = compute_response_logps(policy, batch, mask).sums
                 ref = compute_response_logps(reference, batch, mask).sums

@@ -5,7 +5,7 @@ of several architectures built from configs. Tolerances: per-response log-prob s
 import pytest
 import torch
 
-from prefixdpo.core.attention.backends import build_attention_mask
+from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 
 from prefixdpo.core.model_checks import prepare_model
@@ -45,7 +45,7 @@ def test_sliding_window_shorter_than_sequence_is_refused():
     model = tiny_model("mistral", sliding_window=6)
     prepare_model(model, "sdpa")
     batch = build_batch(random_examples())
-    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa")
+    mask = batch_attention_mask(batch, "sdpa")
     with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
         compute_response_logps(model, batch, mask)
 
@@ -94,8 +94,8 @@ def test_segmented_plan_covers_only_allowed_pairs():
     from prefixdpo.core.attention.segments import build_segment_plan
 
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
-    B, L = batch.doc_ids.shape
-    plan = build_segment_plan(batch.doc_ids, batch.branch_ids)
+    B, L = batch.input_ids.shape
+    plan = build_segment_plan(batch.spans)
     covered = torch.zeros(B * L, B * L, dtype=torch.bool)
     q_at = k_at = 0
     for g in plan.groups:
@@ -109,9 +109,9 @@ def test_segmented_plan_covers_only_allowed_pairs():
                 real_query = plan.out_index[q[s, i]] == q_at - q.numel() + s * g.num_queries + i
                 if real_query:
                     covered[q[s, i], k[s][m[i]]] = True
-    dense = dense_mask(batch.doc_ids, batch.branch_ids)[:, 0]
+    dense = dense_mask(batch.spans)[:, 0]
     expected = torch.block_diag(*[dense[b] for b in range(B)])
-    real = (batch.doc_ids >= 0).flatten()
+    real = (batch.spans[..., 0] >= 0).flatten()
     assert torch.equal(covered[real][:, real], expected[real][:, real])
 
 

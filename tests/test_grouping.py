@@ -117,7 +117,7 @@ def test_grouped_pair_losses_equal_the_ungrouped_ones(packed):
     def per_pair(exs):
         packs = [list(range(len(exs)))] if packed else None
         batch = build_batch(exs, prefix_sharing=True, packs=packs)
-        step = pair_losses(policy, batch, dense_mask(batch.doc_ids, batch.branch_ids), reference=reference,
+        step = pair_losses(policy, batch, dense_mask(batch.spans), reference=reference,
                            objective=objective)
         return {name: _losses_by_record_pair(exs, values.detach()) for name, values in
                 (("loss", step.losses), ("chosen", step.pairs.policy_chosen_logps),

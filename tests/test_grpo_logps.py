@@ -120,11 +120,11 @@ def test_groups_by_prompt_tokens_not_row_order():
     assert lines.num_lines == 3
     prompts = [tuple(r[:-K][m[:-K].bool()].tolist()) for r, m in zip(input_ids, attention_mask)]
     by_group = {}
-    for row, group in enumerate(lines.group_of_row.tolist()):
-        by_group.setdefault(group, set()).add(prompts[row])
+    for row, line in enumerate(lines.response_line.tolist()):  # one group per line here
+        by_group.setdefault(line, set()).add(prompts[row])
     assert all(len(p) == 1 for p in by_group.values()) and len(by_group) == 3
     # positions are TRL's columns: a left-padded prompt starts where its first real token sits
-    first = lines.position_ids[lines.doc_ids >= 0].min()
+    first = lines.position_ids[lines.spans[..., 0] >= 0].min()
     assert first == 0 and set(lines.position_ids.unique().tolist()) >= {5, 9 + K - 1}
     # reversing the rows changes nothing but the row numbers: each row's scored tokens and their predictors' tokens
     flipped = layout_groups(input_ids.flip(0), attention_mask.flip(0), K, packing=False)
@@ -240,17 +240,17 @@ def test_segmented_attention_on_group_lines_equals_the_dense_mask():
     padded = [g for g in plan.groups if not g.causal and min(g.key_counts) < g.num_keys]
     assert len(padded) >= 2 and any(g.causal and g.num_segments > 1 for g in plan.groups)
 
-    B, L = lines.doc_ids.shape
+    B, L = lines.input_ids.shape
     H, Hkv, D = 4, 2, 8
     q = torch.randn(B, H, L, D, generator=gen, requires_grad=True)
     k = torch.randn(B, Hkv, L, D, generator=gen, requires_grad=True)
     v = torch.randn(B, Hkv, L, D, generator=gen, requires_grad=True)
     weights = torch.randn(B, L, H, D, generator=gen)
-    real = (lines.doc_ids >= 0)[:, :, None, None]
+    real = (lines.spans[..., 0] >= 0)[:, :, None, None]
     ours = segmented_attention(q, k, v, plan)
     ours_grads = torch.autograd.grad((ours * weights * real).sum(), (q, k, v))
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=dense_mask(lines.doc_ids, lines.branch_ids), enable_gqa=True).transpose(1, 2)
+        q, k, v, attn_mask=dense_mask(lines.spans), enable_gqa=True).transpose(1, 2)
     dense_grads = torch.autograd.grad((dense * weights * real).sum(), (q, k, v))
     assert ((ours - dense) * real).abs().max() <= 1e-5
     for a, b in zip(ours_grads, dense_grads):

@@ -86,7 +86,10 @@ def _positions_running_on(lines):
 
 
 def _completions_see_each_other(lines):
-    lines.branch_ids = torch.where(lines.branch_ids > 0, 1, 0)
+    """Every completion's subtree runs to its group's end, as if each group were one causal sequence."""
+    tin, tout = lines.spans[..., 0], lines.spans[..., 1]
+    group_end = torch.where(tin >= 0, tout, 0).cummax(dim=1).values  # the group's end, for slots after its prompt
+    lines.spans = torch.stack([tin, torch.where(tin >= 0, group_end, tout)], dim=-1)
     return lines
 
 

@@ -61,6 +61,6 @@ def test_a_dataloader_hands_over_the_micro_batch_and_pins_every_tensor(monkeypat
     tensors = [pinned.example_ids, pinned.ref_logps,
                *(getattr(pinned.batch, f.name) for f in dataclasses.fields(pinned.batch)
                  if isinstance(getattr(pinned.batch, f.name), torch.Tensor))]
-    assert len(tensors) == 16 and all(id(t) in pinned_ids for t in tensors)
+    assert len(tensors) == 14 and all(id(t) in pinned_ids for t in tensors)
     assert pinned.margins is None and (pinned.step_pairs, pinned.real_tokens) == (first.step_pairs, first.real_tokens)
     assert torch.equal(pinned.batch.input_ids, first.batch.input_ids)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask, prefix_sharing_mask_mod
+from prefixdpo.core.attention.masks import block_mask, dense_mask, mask_mod
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from conftest import random_examples, tiny_model
@@ -15,10 +15,10 @@ def packed_batch():
 
 
 def test_dense_mask_hand_case():
-    # one doc: prompt (2 tokens), response A (2), response B (1), then 1 padding slot
-    doc = torch.tensor([[0, 0, 0, 0, 0, -1]])
-    branch = torch.tensor([[0, 0, 1, 1, 2, 0]])
-    m = dense_mask(doc, branch)[0, 0].int().tolist()
+    # one trie: prompt (2 tokens; their subtree: the whole row), response A (2), response B (1), then 1 padding slot
+    tin = torch.tensor([[0, 1, 2, 3, 4, -1]])
+    tout = torch.tensor([[5, 5, 4, 4, 5, -1]])
+    m = dense_mask(torch.stack([tin, tout], dim=-1))[0, 0].int().tolist()
     assert m == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -33,13 +33,13 @@ def test_dense_mask_equals_flex_mask_mod():
     from torch.nn.attention.flex_attention import create_mask
 
     batch = packed_batch()
-    B, L = batch.doc_ids.shape
-    from_mod = create_mask(prefix_sharing_mask_mod(batch.doc_ids, batch.branch_ids), B, None, L, L, device="cpu")
-    dense = dense_mask(batch.doc_ids, batch.branch_ids)
+    B, L = batch.input_ids.shape
+    from_mod = create_mask(mask_mod(batch.spans), B, None, L, L, device="cpu")
+    dense = dense_mask(batch.spans)
     assert from_mod.shape == dense.shape == (B, 1, L, L)
     assert torch.equal(from_mod, dense)
     # the BlockMask built on CPU skips exactly the tiles where the dense mask is all False
-    bm = block_mask(batch.doc_ids, batch.branch_ids, block_size=32)
+    bm = block_mask(batch.spans, block_size=32)
     tiles = dense.reshape(B, 1, L // 32, 32, L // 32, 32).any(dim=(3, 5))
     assert torch.equal(bm.to_dense().bool(), tiles)
     assert tiles.float().mean() < 1  # some tiles are skipped: the check is not vacuous
@@ -53,7 +53,7 @@ def test_padding_rows_give_finite_gradients():
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
     batch = packed_batch()
-    out = compute_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids))
+    out = compute_response_logps(model, batch, dense_mask(batch.spans))
     out.sums.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
@@ -78,9 +78,9 @@ def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
     batch = packed_batch()
     prepare_model(model, "sdpa")
     with torch.no_grad():
-        sdpa = compute_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+        sdpa = compute_response_logps(model, batch, dense_mask(batch.spans)).sums
         try:
-            flex = compute_response_logps(model, batch, block_mask(batch.doc_ids, batch.branch_ids)).sums
+            flex = compute_response_logps(model, batch, block_mask(batch.spans)).sums
         except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
             if "not supported for CPU" not in str(err):
                 raise

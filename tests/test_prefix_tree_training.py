@@ -129,7 +129,7 @@ def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend):
     tree, trie_tokens = {}, 0
     for m in range(len(micro)):
         item = micro[m]
-        assert item.batch.is_tree and item.batch.input_ids.shape[1] == 64
+        assert item.batch.input_ids.shape[1] == 64
         trie_tokens += item.shared_tokens
         step = pair_losses(policy, item.batch, batch_attention_mask(item.batch, backend), reference=reference,
                            objective=objective)
@@ -185,7 +185,7 @@ def _one_step_equals_standard_dpo(tmp_path, path: str, n_records: int, **tree_op
                                per_device_train_batch_size=n_records, **tree_options)
     standard, s_log = one_dpo_step(tmp_path, path, tokenizer, "standard", prefix_sharing=False,
                                    per_device_train_batch_size=n_records)
-    assert len(tree._train_micro) == 1 and tree._train_micro[0].batch.is_tree
+    assert len(tree._train_micro) == 1
     assert t_log["loss"] == pytest.approx(s_log["loss"], rel=1e-5)
     assert t_log["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
     t_grad, s_grad = ((_flat(start) - _flat(t.model)) / 10.0 for t in (tree, standard))
@@ -271,7 +271,7 @@ def test_router_aux_loss_on_tree_lines_equals_trl_on_its_padded_rows(arch):
     batch = build_tree_batch(examples)
     with torch.no_grad(), recording_router_logits(model) as recorded:
         compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa"))
-    once = load_balancing_loss_func(tuple(recorded), 4, 2, (batch.doc_ids >= 0).float())
+    once = load_balancing_loss_func(tuple(recorded), 4, 2, (batch.spans[..., 0] >= 0).float())
     assert (once - trl_aux).abs() > 1e-4 * trl_aux.abs(), (once.item(), trl_aux.item())
 
 
@@ -297,7 +297,8 @@ def test_one_dpo_step_with_the_moe_aux_loss_on_tries_equals_one_without(tmp_path
     tree, t_log = one_step("tree", router_aux_loss_coef=0.5, prefix_tree=True, packing=True, pack_length=64)
     rows, r_log = one_step("rows", router_aux_loss_coef=0.5)
     (micro,) = tree._train_micro
-    assert micro.batch.is_tree and micro.batch.input_ids.shape[0] >= 2
+    assert micro.batch.input_ids.shape[0] >= 2
+    assert micro.shared_tokens < sum(ex.shared_length for ex in tree.train_dataset)  # tries across records
     assert t_log["loss"] == pytest.approx(r_log["loss"], rel=1e-5)
     start = _flat(tiny_model("mixtral", **MOE["mixtral"]))
     t_grad, r_grad = ((start - _flat(t.model)) / 10.0 for t in (tree, rows))
@@ -385,7 +386,6 @@ def test_one_lora_step_on_tree_lines_equals_the_packed_prefix_shared_step(tmp_pa
     tree = _one_step_on(tmp_path, "tree", examples, peft_config=lora(), packing=True, pack_length=512,
                         prefix_tree=True)
     packed = _one_step_on(tmp_path, "packed", examples, peft_config=lora(), packing=True, pack_length=512)
-    assert tree[0]._train_micro[0].batch.is_tree and not packed[0]._train_micro[0].batch.is_tree
     assert tree[0].reference.adapter_off
     assert tree[1]["prefix_sharing/tokens_saved"] > packed[1]["prefix_sharing/tokens_saved"]  # the trie shared more
     _same_step(tree, packed)
@@ -403,7 +403,7 @@ def test_one_step_on_k_response_records_on_tree_lines_equals_standard_dpo(tmp_pa
     tree = _one_step_on(tmp_path, "tree", examples, packing=True, pack_length=96, prefix_tree=True)
     standard = _one_step_on(tmp_path, "standard", examples, prefix_sharing=False)
     micro = tree[0]._train_micro[0]
-    assert micro.batch.is_tree and micro.batch.input_ids.shape[0] >= 2  # several lines in the micro-batch
+    assert micro.batch.input_ids.shape[0] >= 2  # several lines in the micro-batch
     assert micro.batch.num_pairs == sum(len(ex.pairs) for ex in examples)
     assert micro.shared_tokens < sum(ex.shared_length for ex in examples)  # the trie shares across records
     _same_step(tree, standard)

@@ -27,7 +27,7 @@ SETTINGS = {"dtype": "torch.float32"}
 def load_or_compute(model, examples, cache):
     """`load_or_compute_table` with `model` as a separate reference (its no-grad pass computes the sums)."""
     def sums_of(batch):
-        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+        return reference_response_logps(model, batch, dense_mask(batch.spans)).sums
 
     return reference_cache.load_or_compute_table(model, examples, cache, settings=SETTINGS, sums_of=sums_of)
 

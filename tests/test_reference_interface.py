@@ -47,7 +47,7 @@ def test_the_step_runs_a_user_defined_reference():
     """pair_losses / pair_logps with a constant reference: DPO's loss and LD-DPO's split of its sums."""
     model, examples, c, beta = tiny_model("llama"), make_examples(6, ks=(2, 3)), -0.7, 0.5
     batch = build_batch(examples, prefix_sharing=True)
-    mask = dense_mask(batch.doc_ids, batch.branch_ids)
+    mask = dense_mask(batch.spans)
     policy = compute_response_logps(model, batch, mask)
     b, w, n = batch.pair_better, batch.pair_worse, batch.response_lengths.float()
     step = pair_losses(model, batch, mask, reference=ConstantReference(c),
@@ -107,7 +107,7 @@ def test_precomputed_sums_refuse_ld_alpha_in_one_line(tmp_path):
     """LD-DPO needs per-token log-probs, which precomputed tables do not hold (as before: a LossConfigError)."""
     model, examples = tiny_model("llama"), make_examples(4)
     batch = build_batch(examples, prefix_sharing=True)
-    mask = dense_mask(batch.doc_ids, batch.branch_ids)
+    mask = dense_mask(batch.spans)
     pre = PrecomputedReference(SeparateModelReference(tiny_model("llama")), cache_dir=str(tmp_path), batch_size=2,
                                pad_token_id=0, device="cpu")
     ids = torch.arange(len(examples))

@@ -122,7 +122,7 @@ def test_empty_micro_batch_joins_the_backward_with_zero_weight():
     model = tiny_reward_model("llama")
     prepare_model(model, "sdpa")
     batch = empty_batch()
-    scores = compute_response_scores(model, batch, dense_mask(batch.doc_ids, batch.branch_ids))
+    scores = compute_response_scores(model, batch, dense_mask(batch.spans))
     scores.sum().backward()
     assert scores.tolist() == [0.0]
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -144,7 +144,7 @@ def test_models_that_are_not_one_label_classifiers_are_refused():
     from conftest import tiny_model
 
     batch = build_batch(random_examples())
-    mask = dense_mask(batch.doc_ids, batch.branch_ids)  # the sdpa backend's mask
+    mask = dense_mask(batch.spans)  # the sdpa backend's mask
     causal = tiny_model("llama")
     prepare_model(causal, "sdpa")
     with pytest.raises(UnsupportedModelError, match="no `score` head"):

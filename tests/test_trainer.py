@@ -336,7 +336,7 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     cache = str(tmp_path / "cache")
 
     def sums_of(batch):
-        return reference_response_logps(model, batch, dense_mask(batch.doc_ids, batch.branch_ids)).sums
+        return reference_response_logps(model, batch, dense_mask(batch.spans)).sums
 
     first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
@@ -422,9 +422,9 @@ def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
     masks, made = [], []
     real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
 
-    def counted_mask(doc_ids, branch_ids):
-        masks.append(doc_ids.shape)
-        return real_mask(doc_ids, branch_ids)
+    def counted_mask(spans):
+        masks.append(spans.shape[:2])
+        return real_mask(spans)
 
     monkeypatch.setattr(backends, "dense_mask", counted_mask)
     monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])

@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from prefixdpo.core.attention.backends import build_attention_mask, build_tree_attention_mask
+from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import dpo_loss, separate_pass_logps
 from prefixdpo.data.example import Example
 from prefixdpo.data.tree import build_tree_batch, tree_line
-from prefixdpo.errors import ConfigError
 
 
 def _ids(g: random.Random, n: int) -> tuple[int, ...]:
@@ -81,10 +80,11 @@ def test_a_tree_line_lays_shared_tokens_once_at_their_depth():
     assert line.sequences == ((0, 1, 2, 3, 4), (0, 1, 2, 5), (0, 1, 6, 7), (0, 1, 6, 8))
     assert line.depth == 2
     batch = build_tree_batch(examples, pad_multiple=4)
-    assert batch.input_ids.shape == (1, 12) and batch.doc_ids[0].tolist() == [0] * 9 + [-1] * 3
+    assert batch.input_ids.shape == (1, 12) and batch.spans[0, :, 0].tolist() == list(range(9)) + [-1] * 3
+    assert batch.spans[0, :9, 1].tolist() == list(line.tout) and batch.response_last.tolist() == [4, 5, 7, 8]
     # response 0's tokens 5, 6 are predicted by 3 (row 2) and 5 (row 3); response 2's token 5 by 4 (row 6)
     assert batch.target_col.tolist() == [2, 3, 2, 6, 6] and batch.target_response.tolist() == [0, 0, 1, 2, 3]
-    mask = build_tree_attention_mask(batch.tree_spans, "sdpa")[0, 0]
+    mask = batch_attention_mask(batch, "sdpa")[0, 0]
     assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # 6 sees its own sequence only
     assert mask[8].nonzero().flatten().tolist() == [0, 1, 6, 8]  # the last 7 sees [1 2 4] and itself
     assert mask[10].nonzero().flatten().tolist() == [10]  # padding: itself only
@@ -99,7 +99,7 @@ def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     assert tree_line([examples[e] for e in lines[0]]).depth == depth
     batch = build_tree_batch(examples, lines, pad_multiple=8)
     assert batch.num_real_tokens < sum(ex.unshared_length for ex in examples)  # it shares something
-    assert (batch.doc_ids == -1).any()  # and pads
+    assert (batch.spans[..., 0] == -1).any()  # and pads
     model = tiny_model(arch, **GEMMA if arch == "gemma" else {})
 
     def grads():
@@ -111,21 +111,12 @@ def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     stock_grads = grads().clone()
     model.zero_grad(set_to_none=True)
     prepare_model(model, backend)
-    ours = compute_response_logps(model, batch, build_tree_attention_mask(batch.tree_spans, backend)).sums
+    ours = compute_response_logps(model, batch, batch_attention_mask(batch, backend)).sums
     dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
     scale = max(1.0, stock.detach().abs().max().item())
     assert (ours.detach() - stock.detach()).abs().max().item() <= 1e-5 * scale
     grad_scale = stock_grads.abs().max().item()
     assert grad_scale > 1e-3 and (grads() - stock_grads).abs().max().item() <= 1e-5 * max(1.0, grad_scale)
-
-
-def test_a_mask_that_does_not_follow_the_tree_is_refused_on_tree_lines():
-    examples = depth_2(random.Random(0))
-    batch = build_tree_batch(examples)
-    model = tiny_model("llama")
-    prepare_model(model, "sdpa")
-    with pytest.raises(ConfigError, match="tree lines need their own attention mask"):
-        compute_response_logps(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, "sdpa"))
 
 
 def test_the_mask_picture_draws_a_tree_line(tmp_path):
@@ -145,26 +136,26 @@ def test_the_mask_picture_draws_a_tree_line(tmp_path):
 def test_the_segment_plan_cuts_a_tree_line_into_its_runs():
     """The hand example's line [1 2 3 5 6 7 4 5 7]: the first path [1 2 3 5 6] is one causal segment; 7 (after
     [1 2 3]), [4 5] (after [1 2]) and 7 (after [1 2 4]) each go over their gathered ancestors."""
-    from prefixdpo.core.attention.segments import _tree_segments
+    from prefixdpo.core.attention.segments import line_segments
 
     examples = [Example((1, 2, 3), ((5, 6), (7,)), ((0, 1),)), Example((1, 2, 4), ((5,), (7,)), ((0, 1),))]
     batch = build_tree_batch(examples, pad_multiple=4)
-    assert _tree_segments(batch.tree_spans) == [
+    assert line_segments(batch.spans) == [
         ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4]), ([5], [0, 1, 2, 5]), ([6, 7], [0, 1, 6, 7]), ([8], [0, 1, 6, 8])]
 
 
 def test_the_flex_mask_mod_of_a_tree_equals_its_dense_mask_and_runs_like_sdpa(tmp_path, monkeypatch):
     from torch.nn.attention.flex_attention import create_mask
 
-    from prefixdpo.core.attention.masks import tree_block_mask, tree_dense_mask, tree_mask_mod
+    from prefixdpo.core.attention.masks import block_mask, dense_mask, mask_mod
 
     examples = depth_3(random.Random(2))
     batch = build_tree_batch(examples, [[0, 1, 2], [3, 4]], pad_multiple=128)
     B, L = batch.input_ids.shape
-    dense = tree_dense_mask(batch.tree_spans)
-    assert torch.equal(create_mask(tree_mask_mod(batch.tree_spans), B, None, L, L, device="cpu"), dense)
+    dense = dense_mask(batch.spans)
+    assert torch.equal(create_mask(mask_mod(batch.spans), B, None, L, L, device="cpu"), dense)
     tiles = dense.reshape(B, 1, L // 32, 32, L // 32, 32).any(dim=(3, 5))
-    assert torch.equal(tree_block_mask(batch.tree_spans, block_size=32).to_dense().bool(), tiles)
+    assert torch.equal(block_mask(batch.spans, block_size=32).to_dense().bool(), tiles)
     assert tiles.float().mean() < 1  # some tiles are skipped: the check is not vacuous
 
     # kernels cached under another ATEN_CPU_CAPABILITY must not be reused (see test_masks.py)
@@ -172,9 +163,9 @@ def test_the_flex_mask_mod_of_a_tree_equals_its_dense_mask_and_runs_like_sdpa(tm
     model = tiny_model("qwen2")
     prepare_model(model, "sdpa")
     with torch.no_grad():
-        sdpa = compute_response_logps(model, batch, build_tree_attention_mask(batch.tree_spans, "sdpa")).sums
+        sdpa = compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa")).sums
         try:
-            flex = compute_response_logps(model, batch, build_tree_attention_mask(batch.tree_spans, "flex")).sums
+            flex = compute_response_logps(model, batch, batch_attention_mask(batch, "flex")).sums
         except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
             if "not supported for CPU" not in str(err):
                 raise

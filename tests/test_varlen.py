@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from prefixdpo.core.attention import varlen
-from prefixdpo.core.attention.backends import build_attention_mask, build_tree_attention_mask, resolve_backend
-from prefixdpo.core.attention.masks import dense_mask, tree_dense_mask
+from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.tree import build_tree_batch, tree_line
 from prefixdpo.errors import ConfigError, UserError
@@ -125,8 +125,8 @@ def test_carrier_dispatches_one_kernel_call_per_layer(kernel):
     prepare_model(model, "varlen")
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
     with torch.no_grad():
-        compute_response_logps(model, batch, build_attention_mask(batch.doc_ids, batch.branch_ids, "varlen"))
-    real_tokens = int((batch.doc_ids >= 0).sum())
+        compute_response_logps(model, batch, batch_attention_mask(batch, "varlen"))
+    real_tokens = int((batch.spans[..., 0] >= 0).sum())
     assert kernel == [torch.Size([real_tokens, 4, 8])] * 3
 
 
@@ -171,29 +171,29 @@ def _check_plan_covers(plan: varlen.VarlenPlan, dense: torch.Tensor, real: torch
 
 def test_tree_plan_covers_exactly_the_tree_rule():
     """On tree lines of depth 3 (two lines, padded) the varlen plan's pairs are the tree mask's, and the mask
-    built for varlen carries that plan, marked as following the tree."""
+    built for varlen carries that plan."""
     build, _, lines = TREE_CASES["depth-3"]
     batch = build_tree_batch(build(random.Random(0)), lines, pad_multiple=8)
-    mask = build_tree_attention_mask(batch.tree_spans, "varlen")
-    assert mask.follows_tree and mask.varlen_plan.num_segments > 2 * len(lines)  # several runs per line
-    _check_plan_covers(mask.varlen_plan, tree_dense_mask(batch.tree_spans)[:, 0], (batch.doc_ids >= 0).flatten())
+    mask = batch_attention_mask(batch, "varlen")
+    assert mask.varlen_plan.num_segments > 2 * len(lines)  # several runs per line
+    _check_plan_covers(mask.varlen_plan, dense_mask(batch.spans)[:, 0], (batch.spans[..., 0] >= 0).flatten())
 
 
 def test_plan_covers_exactly_the_allowed_pairs():
     """The (query, key) pairs of the packed segments under bottom-right causality are the dense rule's."""
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
-    plan = varlen.build_varlen_plan(batch.doc_ids, batch.branch_ids)
-    _check_plan_covers(plan, dense_mask(batch.doc_ids, batch.branch_ids)[:, 0], (batch.doc_ids >= 0).flatten())
+    plan = varlen.build_varlen_plan(batch.spans)
+    _check_plan_covers(plan, dense_mask(batch.spans)[:, 0], (batch.spans[..., 0] >= 0).flatten())
 
 
 def test_padding_positions_get_zeros(kernel):
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
-    mask = build_attention_mask(batch.doc_ids, batch.branch_ids, "varlen")
-    B, L = batch.doc_ids.shape
+    mask = batch_attention_mask(batch, "varlen")
+    B, L = batch.input_ids.shape
     q, k, v = torch.randn(B, 4, L, 8), torch.randn(B, 2, L, 8), torch.randn(B, 2, L, 8)
     out = varlen.varlen_attention(q, k, v, mask.varlen_plan)
     assert out.shape == (B, L, 4, 8)
-    pad = batch.doc_ids < 0
+    pad = batch.spans[..., 0] < 0
     assert pad.any() and (out[pad] == 0).all() and (out[~pad] != 0).any()
 
 

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.core.attention.backends import check_mask_follows_lines
 from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
@@ -83,7 +82,6 @@ def final_hidden_states(model, inner_forward, **inputs) -> tuple[torch.Tensor, t
 
 
 def _batch_inputs(batch: Batch, attention_mask) -> dict:
-    check_mask_follows_lines(batch, attention_mask)
     return {"input_ids": batch.input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids}
 
 
@@ -92,7 +90,7 @@ def compute_response_logps(
 ) -> ResponseLogps:
     """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
 
-    attention_mask: the batch's mask for the run's backend (`backends.build_attention_mask`), built once per
+    attention_mask: the batch's mask for the run's backend (`backends.batch_attention_mask`), built once per
                     micro-batch by the caller and shared by every pass over it (policy, reference, pre-pass).
     wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
     router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).

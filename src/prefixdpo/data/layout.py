@@ -1,12 +1,12 @@
-"""`Example -> Row`: lay one example out as the token sequence(s) the model runs.
+"""`Example -> Row`: lay one example out as the token trie(s) the model runs (`data.lines.Row`).
 
-Prefix-shared (one row per example)::
+Prefix-shared (one row per example, a depth-1 trie)::
 
     tokens:    [ prompt ........ ][ response 0 ..... ][ response 1 ...... ] ...
     positions:   0 ........ P-1     P ...... P+R0-1     P ....... P+R1-1      (restart after the prompt)
-    branch:      0                  1                   2                     (0 = shared prompt)
+    subtree:     to the row's end   to response 0's end  to response 1's end
 
-Standard (K rows per example): `[prompt][response k]` for each k, branch 0 then 1, plain causal.
+Standard (K rows per example): `[prompt][response k]` for each k, one chain each.
 
 Every response token is predicted by the hidden state one step before it *in its own sequence*: the
 first token of every response by the prompt's last position (no duplicated token), the others by the
@@ -15,66 +15,54 @@ previous token of the same response.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Sequence
 
 from prefixdpo.data.example import Example
+from prefixdpo.data.lines import Row
 
 
-@dataclass(frozen=True)
-class Row:
-    """One sequence laid out for the model; all lists have the row's length n unless noted.
+def prefix_row(prompt: Sequence[int], responses: Sequence[tuple[int, Sequence[int]]],
+               positions: Sequence[int] | None = None) -> Row:
+    """`prompt` followed by each (response number, tokens), each a branch after the prompt (a depth-1 trie).
 
-    input_ids, position_ids, branch_ids: [n]
-    target_index:    [t] row position whose hidden state predicts each response token
-    target_ids:      [t] the response tokens themselves
-    target_response: [t] which response of the example (0..K-1) each target belongs to
+    positions: the position id of each token of the row (default: the prompt's 0..P-1, each response restarting at
+    P); a GRPO group passes TRL's own. A response with no token still has a sequence: the prompt.
     """
-
-    input_ids: tuple[int, ...]
-    position_ids: tuple[int, ...]
-    branch_ids: tuple[int, ...]
-    target_index: tuple[int, ...]
-    target_ids: tuple[int, ...]
-    target_response: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-def _row(prompt: tuple[int, ...], responses: list[tuple[int, tuple[int, ...]]]) -> Row:
-    """Lay out `prompt` followed by the given (response index, tokens), each restarting its positions."""
     p = len(prompt)
     input_ids = list(prompt)
-    position_ids = list(range(p))
-    branch_ids = [0] * p
+    tout = []
     target_index: list[int] = []
     target_ids: list[int] = []
     target_response: list[int] = []
-    for branch, (k, tokens) in enumerate(responses, start=1):
+    response_last = []
+    own_positions = list(range(p))
+    for k, tokens in responses:
         start = len(input_ids)
         n = len(tokens)
         input_ids.extend(tokens)
-        position_ids.extend(range(p, p + n))
-        branch_ids.extend([branch] * n)
+        own_positions.extend(range(p, p + n))
+        tout.extend([start + n] * n)
         # token 0 is predicted by the prompt's last position, token j>0 by token j-1 of this response
-        target_index.append(p - 1)
-        target_index.extend(range(start, start + n - 1))
+        if n:
+            target_index.append(p - 1)
+            target_index.extend(range(start, start + n - 1))
         target_ids.extend(tokens)
         target_response.extend([k] * n)
-    return Row(
-        tuple(input_ids), tuple(position_ids), tuple(branch_ids),
-        tuple(target_index), tuple(target_ids), tuple(target_response),
-    )
+        response_last.append(start + n - 1 if n else p - 1)
+    tout = [len(input_ids)] * p + tout  # every prompt token's subtree holds the rest of the row
+    return Row(tuple(input_ids), tuple(own_positions if positions is None else positions), tuple(tout),
+               tuple(target_index), tuple(target_ids), tuple(target_response), tuple(k for k, _ in responses),
+               tuple(response_last))
 
 
 def shared_row(example: Example) -> Row:
-    """The prefix-shared row: prompt once, then every response (branch k+1 for response k)."""
-    return _row(example.prompt_ids, list(enumerate(example.response_ids)))
+    """The prefix-shared row: prompt once, then every response (response k the k-th branch)."""
+    return prefix_row(example.prompt_ids, list(enumerate(example.response_ids)))
 
 
 def separate_rows(example: Example) -> list[Row]:
-    """Standard layout: one causal `[prompt][response k]` row per response."""
-    return [_row(example.prompt_ids, [(k, r)]) for k, r in enumerate(example.response_ids)]
+    """Standard layout: one `[prompt][response k]` chain per response (numbered k)."""
+    return [prefix_row(example.prompt_ids, [(k, r)]) for k, r in enumerate(example.response_ids)]
 
 
 def layout_example(example: Example, prefix_sharing: bool = True) -> list[Row]:

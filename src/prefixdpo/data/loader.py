@@ -15,7 +15,7 @@ zero-weight batch that still runs the model (so the engines' collectives line up
 from __future__ import annotations
 
 import logging
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -175,18 +175,13 @@ def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -
 def empty_batch(pad_token_id: int = 0) -> Batch:
     """A one-token batch with no responses: runs the model (for DDP) and weighs nothing.
 
-    The token is marked as a document (not padding) so it attends to itself like a real token.
-    Every other tensor field (targets, responses, pairs) is empty, whichever fields `Batch` has.
-    """
-    lines = {
-        "input_ids": torch.full((1, 1), pad_token_id, dtype=torch.long),
-        "position_ids": torch.zeros((1, 1), dtype=torch.long),
-        "doc_ids": torch.zeros((1, 1), dtype=torch.long),
-        "branch_ids": torch.zeros((1, 1), dtype=torch.long),
-    }
-    empty = {f.name: torch.zeros(0, dtype=torch.long) for f in fields(Batch)
-             if f.name not in lines and f.default is MISSING}  # fields with a default keep it
-    return Batch(**lines, **empty, max_sequence_length=1)
+    The token is a trie of its own (not padding), so it attends to itself like a real token; targets, responses and
+    pairs are empty."""
+    none = torch.zeros(0, dtype=torch.long)
+    return Batch(input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
+                 position_ids=torch.zeros((1, 1), dtype=torch.long), spans=torch.tensor([[[0, 1]]]),
+                 target_line=none, target_col=none, target_ids=none, target_response=none, response_line=none,
+                 response_last=none, response_lengths=none, pair_better=none, pair_worse=none, max_sequence_length=1)
 
 
 def stand_in_batch(pad_token_id: int = 0) -> Batch:
@@ -311,7 +306,7 @@ class MicroBatches(torch.utils.data.Dataset):
             batch, example_ids, total,
             real_tokens=batch.num_real_tokens,
             slots=batch.num_slots,
-            shared_tokens=batch.num_real_tokens if batch.is_tree else sum(
+            shared_tokens=batch.num_real_tokens if self.settings.prefix_tree else sum(
                 row_length(ex, self.settings.prefix_sharing) for ex in exs),
             unshared_tokens=sum(ex.unshared_length for ex in exs),
             ref_logps=None if self.ref_table is None else self.ref_table.gather(example_ids),

@@ -15,10 +15,10 @@ sees exactly the tokens of its own sequence before it, at their own positions, s
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.
 
-Every attention backend follows tree lines (`core.attention.backends.build_tree_attention_mask`: the dense SDPA mask,
-the segment plan, the varlen plan, FlexAttention's mask_mod). A response's sequence is its last token's node and that
-node's ancestors (`Batch.response_last`): reward scores are read there, and the MoE aux loss weighs each node by the
-TRL rows through it. DPO and reward-model training build tree lines with `prefix_tree=true` (the loader plans its
+A line of tries is a `data.lines.Lines` as every layout is (the prefix-shared row is its depth-1 case): every
+attention backend runs it by the one span rule. A response's sequence is its last token's node and that node's
+ancestors (`Lines.response_last`): reward scores are read there, and the MoE aux loss weighs each node by the TRL
+rows through it. DPO and reward-model training build tree lines with `prefix_tree=true` (the loader plans its
 lines with `plan_tree_lines`); `bench` runs them (`trie-packed`) and `inspect` reports what they save.
 """
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
-from prefixdpo.data.batch import PAD_DOC, Batch, _round_up
+from prefixdpo.data.batch import Batch, batch_of, response_offsets
 from prefixdpo.data.example import Example
+from prefixdpo.data.lines import Row
 from prefixdpo.data.packing import plan_packs
 
 
@@ -108,69 +108,39 @@ def tree_line(examples: Sequence[Example]) -> TreeLine:
     )
 
 
+def tree_row(examples: Sequence[Example]) -> Row:
+    """The token trie of `examples` (`tree_line`) as the piece a line holds (`lines.Row`): the responses numbered
+    0, 1, ... example by example; each response token predicted by the node before it on its own sequence."""
+    tree = tree_line(examples)
+    target_index: list[int] = []
+    target_ids: list[int] = []
+    target_response: list[int] = []
+    last: list[int] = []
+    sequences = iter(tree.sequences)
+    for ex in examples:
+        p = len(ex.prompt_ids)
+        for response in ex.response_ids:
+            seq = next(sequences)
+            target_index.extend(seq[p - 1 : p - 1 + len(response)])
+            target_ids.extend(response)
+            target_response.extend([len(last)] * len(response))
+            last.append(seq[-1])
+    return Row(tree.input_ids, tree.position_ids, tree.tout, tuple(target_index), tuple(target_ids),
+               tuple(target_response), tuple(range(len(last))), tuple(last))
+
+
 def build_tree_batch(examples: Sequence[Example], lines: Sequence[Sequence[int]] | None = None, *,
                      pad_token_id: int = 0, length: int | None = None, pad_multiple: int = 1) -> Batch:
     """A Batch of tree lines: `lines` groups example indices (None: all in one line), each group one token trie
-    (`tree_line`), padded to `length` (default the longest line, rounded up to `pad_multiple`).
-
-    The Batch is the usual one (responses numbered example by example, pairs in example order) plus
-    `tree_spans` [B, L, 2] = (tin, tout) of every token ((-1, -1) for padding) and `response_last` [R], the column of
-    each response's sequence's last token (its ancestors are the rest of the sequence). doc_ids is 0 for a line's real
-    tokens (one document: the tree), -1 for padding; branch_ids is 0 and carries nothing (the spans do).
-    """
+    (`tree_row`), padded to `length` (default the longest line, rounded up to `pad_multiple`). Responses are
+    numbered example by example, pairs in example order, as in every Batch."""
     lines = [list(range(len(examples)))] if lines is None else [list(line) for line in lines]
     if sorted(e for line in lines for e in line) != list(range(len(examples))):
         raise ValueError("lines must hold every example of the batch exactly once")
-    offset = [0]
-    for ex in examples:
-        offset.append(offset[-1] + ex.num_responses)
-    trees = [tree_line([examples[e] for e in line]) for line in lines]
-    longest = max(len(t) for t in trees)
-    L = length if length is not None else _round_up(longest, pad_multiple)
-    if longest > L:
-        raise ValueError(f"a tree line holds {longest} tokens, more than the line length {L}")
-    B = len(lines)
-    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((B, L), dtype=torch.long)
-    doc_ids = torch.full((B, L), PAD_DOC, dtype=torch.long)
-    spans = torch.full((B, L, 2), -1, dtype=torch.long)
-    R = offset[-1]
-    t_line, t_col, t_ids, t_resp = [], [], [], []
-    r_line, r_last = [-1] * R, [-1] * R
-    for b, (line, tree) in enumerate(zip(lines, trees)):
-        n = len(tree)
-        input_ids[b, :n] = torch.tensor(tree.input_ids)
-        position_ids[b, :n] = torch.tensor(tree.position_ids)
-        doc_ids[b, :n] = 0
-        spans[b, :n, 0], spans[b, :n, 1] = torch.tensor(tree.tin), torch.tensor(tree.tout)
-        sequences = iter(tree.sequences)
-        for e in line:
-            ex = examples[e]
-            p = len(ex.prompt_ids)
-            for k, response in enumerate(ex.response_ids):
-                seq = next(sequences)
-                r = offset[e] + k
-                r_line[r], r_last[r] = b, seq[-1]
-                # token j of the response is predicted by the node before it on its own sequence
-                t_line.extend([b] * len(response))
-                t_col.extend(seq[p - 1 : p - 1 + len(response)])
-                t_ids.extend(response)
-                t_resp.extend([r] * len(response))
-    better = [offset[e] + i for e, ex in enumerate(examples) for i, _ in ex.pairs]
-    worse = [offset[e] + j for e, ex in enumerate(examples) for _, j in ex.pairs]
-    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return Batch(
-        input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids,
-        branch_ids=torch.zeros((B, L), dtype=torch.long),
-        target_line=as_long(t_line), target_col=as_long(t_col), target_ids=as_long(t_ids),
-        target_response=as_long(t_resp),
-        response_lengths=as_long([len(r) for ex in examples for r in ex.response_ids]),
-        response_line=as_long(r_line), response_doc=torch.zeros(R, dtype=torch.long),
-        response_branch=torch.zeros(R, dtype=torch.long),
-        pair_better=as_long(better), pair_worse=as_long(worse),
-        max_sequence_length=max(len(ex.prompt_ids) + len(r) for ex in examples for r in ex.response_ids),
-        tree_spans=spans, response_last=as_long(r_last),
-    )
+    offsets = response_offsets(examples)
+    pieces = [[(tree_row([examples[e] for e in line]), [r for e in line for r in range(offsets[e], offsets[e + 1])])]
+              for line in lines]
+    return batch_of(examples, pieces, pad_token_id=pad_token_id, length=length, pad_multiple=pad_multiple)
 
 
 # ---- planning lines of tries (training's `prefix_tree`) ----------------------------------------------------------

@@ -8,8 +8,9 @@ prefix-shared row, packed with other groups into lines::
 
     line:      [ prompt (non-pad) ][ completion a ][ completion b ] ... [ next group's prompt ] ...
     position:    TRL's own position of each token (its column), so every token sees what it saw in TRL's row
-    branch:      0                   1               2                    0 ...
-    doc:         0                   0               0                    1 ...
+    subtree:     the group's end        a's end          b's end              ...
+
+a depth-1 trie per group (`data.lines`: the one layout every pass runs, built by the one collate).
 
 The token in TRL column P+j (P = L - K) is predicted by the hidden state one column before it: for j = 0
 the prompt's last column, shared by the whole group; for j > 0 the completion's own previous token.
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixdpo.data.batch import PAD_DOC, bucket_length
-
+from prefixdpo.data.layout import prefix_row
+from prefixdpo.data.lines import Lines, Row, collate, sequence_counts
 from prefixdpo.data.packing import auto_pack_length, plan_packs
 
 # Models whose forward derives positions from the padding mask (its running count) when given none,
@@ -33,51 +34,27 @@ MASK_POSITION_MODEL_TYPES = frozenset({"opt", "biogpt"})
 
 
 @dataclass
-class GroupLines:
-    """One log-prob pass of TRL's N rows laid out as B prefix-shared lines of S slots (T scored tokens).
+class GroupLines(Lines):
+    """One log-prob pass of TRL's N rows laid out as B prefix-shared lines (`Lines`: T scored tokens; each TRL row's
+    completion is one response, numbered by its row, so `target_response` is the row a result goes to).
 
-    input_ids, position_ids: [B, S] long
-    doc_ids:      [B, S] long, group of each slot within its line; -1 = padding
-    branch_ids:   [B, S] long, 0 = the shared prompt, k >= 1 = the group's k-th row's completion
-    target_line, target_col: [T] long, the slot whose hidden state predicts each scored token (line order)
-    target_ids:   [T] long, the scored tokens
-    out_row, out_col: [T] long, where each result goes in TRL's [N, K] output
-    slot_row:     [B, S] long, TRL row of each completion slot; -1 for prompt slots and padding
-    slot_group:   [B, S] long, group of each prompt slot; -1 for completion slots and padding
-    group_of_row: [N] long, the group of each TRL row (rows with equal prompt tokens share one)
+    out_col:      [T] long, where each result goes in its row of TRL's [N, K] output (its position in the completion)
+    num_rows, logits_to_keep: N and K
     trl_tokens:   real tokens of TRL's rows (its attention mask's ones): what sharing is measured against
     masks:        attention masks built for these lines, by (first line, end line, backend): a pass over the same
                   rows (TRL's reference and old-policy passes, the policy's) reuses them
     """
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    doc_ids: torch.Tensor
-    branch_ids: torch.Tensor
-    target_line: torch.Tensor
-    target_col: torch.Tensor
-    target_ids: torch.Tensor
-    out_row: torch.Tensor
     out_col: torch.Tensor
-    slot_row: torch.Tensor
-    slot_group: torch.Tensor
-    group_of_row: torch.Tensor
     num_rows: int
     logits_to_keep: int
     trl_tokens: int
     masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def num_lines(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def num_real_tokens(self) -> int:
-        return int((self.doc_ids != PAD_DOC).sum())
+    def out_row(self) -> torch.Tensor:
+        """[T] long: the TRL row of each result."""
+        return self.target_response
 
 
 def why_not_shared(attention_mask: torch.Tensor, logits_to_keep: int) -> str | None:
@@ -113,27 +90,55 @@ def trl_positions(attention_mask: torch.Tensor, from_mask: bool) -> torch.Tensor
     return torch.arange(L, device=attention_mask.device).expand(N, L)
 
 
-def _group_rows(input_ids: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """(group of each row [N], the rows of each group in row order): rows are grouped by their prompt's
-    non-pad tokens and the columns those sit in (pad cells read as -1)."""
+def _group_rows(input_ids: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> list[list[int]]:
+    """The rows of each group, in row order: rows are grouped by their prompt's non-pad tokens and the columns
+    those sit in (pad cells read as -1)."""
     keys = input_ids[:, :prompt_width].masked_fill(~mask[:, :prompt_width], -1)
     _, group_of_row = torch.unique(keys, dim=0, return_inverse=True)
     members: list[list[int]] = [[] for _ in range(int(group_of_row.max()) + 1)]
     for row, group in enumerate(group_of_row.tolist()):
         members[group].append(row)
-    return group_of_row, members
+    return members
 
 
 def _line_groups(lengths: list[int], packing: bool, pack_length: int | str) -> list[list[int]]:
     """Which groups share each line: best-fit packs of at most `pack_length` tokens ('auto': 1.1 x the 95th
     percentile of group lengths, rounded up to 128), or one group per line. A group longer than an explicit
-    pack length gets a line of its own (TRL's batch decides the rows; none may be dropped)."""
+    pack length gets a line of its own (TRL's batch decides the rows; none may be dropped). Groups without a real
+    token (their rows hold nothing to score) join the last line."""
     groups = [g for g, n in enumerate(lengths) if n > 0]
+    empty = [g for g, n in enumerate(lengths) if n == 0]
     if not packing or not groups:
-        return [[g] for g in groups]
-    sizes = [lengths[g] for g in groups]
-    length = auto_pack_length(sizes) if pack_length == "auto" else max(int(pack_length), max(sizes))
-    return [[groups[i] for i in pack] for pack in plan_packs(sizes, length, shuffle=False)]
+        lines = [[g] for g in groups]
+    else:
+        sizes = [lengths[g] for g in groups]
+        length = auto_pack_length(sizes) if pack_length == "auto" else max(int(pack_length), max(sizes))
+        lines = [[groups[i] for i in pack] for pack in plan_packs(sizes, length, shuffle=False)]
+    if empty:
+        lines = lines[:-1] + [(lines[-1] if lines else []) + empty]
+    return lines
+
+
+def _group_row(ids: list[list[int]], positions: list[list[int]], prompt_cols: list[int], rows: list[int],
+               completion_lengths: list[int], P: int) -> Row:
+    """The depth-1 trie of one group (its prompt's real tokens, then each row's completion, numbered by its place in
+    `rows`), at TRL's positions. ids, positions: TRL's rows as lists; prompt_cols: the prompt's real columns."""
+    first = rows[0]
+    prompt = [ids[first][c] for c in prompt_cols]
+    completions = [(k, ids[row][P:P + completion_lengths[row]]) for k, row in enumerate(rows)]
+    own_positions = [positions[first][c] for c in prompt_cols]
+    for row in rows:
+        own_positions.extend(positions[row][P:P + completion_lengths[row]])
+    return prefix_row(prompt, completions, own_positions)
+
+
+def _rank_in_run(values: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T] long: each entry's place in its run of equal consecutive values (0, 1, ... per run)."""
+    T = values.numel()
+    index = torch.arange(T)
+    starts = torch.ones(T, dtype=torch.bool)
+    starts[1:] = values[1:] != values[:-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=0).values if T else index
 
 
 def layout_groups(
@@ -154,76 +159,22 @@ def layout_groups(
     one of a few sizes (multiples of 128, as compiled FlexAttention wants), else to the longest line.
     Index bookkeeping runs on the CPU; the returned tensors live on `input_ids.device`.
     """
-    device = input_ids.device
     ids = input_ids.detach().cpu()
     mask = attention_mask.detach().cpu().bool()
     N, L = ids.shape
     K = int(logits_to_keep)
     P = L - K
     completion_lengths = mask[:, P:].sum(1).tolist()
-    group_of_row, members = _group_rows(ids, mask, P)
-    prompt_cols = [mask[rows[0], :P].nonzero().squeeze(1) for rows in members]
-    lengths = [len(cols) + sum(completion_lengths[r] for r in rows) for cols, rows in zip(prompt_cols, members)]
-    lines = _line_groups(lengths, packing, pack_length)
-
-    longest = max((sum(lengths[g] for g in line) for line in lines), default=1)
-    S = bucket_length(longest) if bucket else longest
-    B = max(len(lines), 1)
-    src_row = torch.zeros(B, S, dtype=torch.long)
-    src_col = torch.zeros(B, S, dtype=torch.long)
-    doc_ids = torch.full((B, S), PAD_DOC, dtype=torch.long)
-    branch_ids = torch.zeros(B, S, dtype=torch.long)
-    slot_row = torch.full((B, S), -1, dtype=torch.long)
-    slot_group = torch.full((B, S), -1, dtype=torch.long)
-    t_line, t_col, out_row, out_col = [], [], [], []
-    for b, line in enumerate(lines):
-        start = 0
-        for doc, g in enumerate(line):
-            cols = prompt_cols[g]
-            end = start + len(cols)
-            src_row[b, start:end] = members[g][0]
-            src_col[b, start:end] = cols
-            doc_ids[b, start:end] = doc
-            slot_group[b, start:end] = g
-            last_prompt_slot = end - 1
-            for branch, row in enumerate(members[g], start=1):
-                n = completion_lengths[row]
-                if n == 0:  # fully masked (e.g. mask_truncated_completions): nothing scored, nothing attended
-                    continue
-                span = slice(end, end + n)  # slices, not index tensors: a step lays out every row in Python
-                src_row[b, span] = row
-                src_col[b, span] = torch.arange(P, P + n)
-                doc_ids[b, span] = doc
-                branch_ids[b, span] = branch
-                slot_row[b, span] = row
-                t_line.append(torch.full((n,), b))
-                # token 0 is predicted by the prompt's last slot, token j > 0 by this completion's token j-1
-                t_col.append(torch.arange(end - 1, end + n - 1))
-                t_col[-1][0] = last_prompt_slot
-                out_row.append(torch.full((n,), row))
-                out_col.append(torch.arange(n))
-                end += n
-            start = end
-
-    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
-
-    out_row_t, out_col_t = cat(out_row), cat(out_col)
-    positions = trl_positions(mask, positions_from_mask)
-    real = doc_ids != PAD_DOC
+    members = _group_rows(ids, mask, P)
+    ids_list, positions = ids.tolist(), trl_positions(mask, positions_from_mask).tolist()
+    groups = [_group_row(ids_list, positions, mask[rows[0], :P].nonzero().squeeze(1).tolist(), rows,
+                         completion_lengths, P) for rows in members]
+    lines = _line_groups([len(row) for row in groups], packing, pack_length)
+    fields = collate([[(groups[g], members[g]) for g in line] for line in lines], N, bucket=bucket)
+    device = input_ids.device
     return GroupLines(
-        input_ids=torch.where(real, ids[src_row, src_col], 0).to(device),
-        position_ids=torch.where(real, positions[src_row, src_col], 0).to(device),
-        doc_ids=doc_ids.to(device),
-        branch_ids=branch_ids.to(device),
-        target_line=cat(t_line).to(device),
-        target_col=cat(t_col).to(device),
-        target_ids=ids[out_row_t, P + out_col_t].to(device),
-        out_row=out_row_t.to(device),
-        out_col=out_col_t.to(device),
-        slot_row=slot_row.to(device),
-        slot_group=slot_group.to(device),
-        group_of_row=group_of_row.to(device),
+        **{name: t.to(device) for name, t in fields.items()},
+        out_col=_rank_in_run(fields["target_response"]).to(device),
         num_rows=N,
         logits_to_keep=K,
         trl_tokens=int(mask.sum()),
@@ -242,13 +193,10 @@ def aux_token_weights(lines: GroupLines, rows: torch.Tensor) -> torch.Tensor:
     """How many times TRL's rows `rows` hold each slot's token as a real (attended) token. -> [B, S] fp32.
 
     TRL's MoE load-balancing loss averages over the real tokens of the rows in one forward; a shared
-    prompt token stands for each of its group's rows there, a completion token for its own row.
+    prompt token stands for each of its group's rows there, a completion token for its own row: the rows whose
+    sequence passes through the slot (`lines.sequence_counts`).
     rows: [M] long, TRL row indices of one of its forwards.
     """
-    in_rows = torch.zeros(lines.num_rows, dtype=torch.float32, device=lines.slot_row.device)
+    in_rows = torch.zeros(lines.num_rows, dtype=torch.float32, device=lines.input_ids.device)
     in_rows[rows] = 1.0
-    per_group = torch.zeros(int(lines.group_of_row.max()) + 1 if lines.num_rows else 1,
-                            dtype=torch.float32, device=in_rows.device).index_add_(0, lines.group_of_row, in_rows)
-    from_completion = in_rows[lines.slot_row.clamp(min=0)]
-    from_prompt = per_group[lines.slot_group.clamp(min=0)]
-    return torch.where(lines.slot_row >= 0, from_completion, torch.where(lines.slot_group >= 0, from_prompt, 0.0))
+    return sequence_counts(lines, in_rows)

@@ -17,8 +17,7 @@ import torch
 
 from prefixdpo.core.model_checks import base_model, text_config
 
-from prefixdpo.core.attention.backends import build_attention_mask, segment_plan_mask
-from prefixdpo.core.attention.segments import build_segment_plan
+from prefixdpo.core.attention.backends import batch_attention_mask
 
 from prefixdpo.core.forward import final_hidden_states, through_engine
 
@@ -124,12 +123,7 @@ def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str):
     """The attention mask of lines [start, end) for `backend`, built once per layout (`GroupLines.masks`)."""
     key = (start, end, backend)
     if key not in lines.masks:
-        doc_ids, branch_ids = lines.doc_ids[start:end], lines.branch_ids[start:end]
-        if backend == "segmented":
-            plan = build_segment_plan(doc_ids, branch_ids, waste=GROUP_SEGMENT_WASTE)
-            lines.masks[key] = segment_plan_mask(plan, doc_ids.device)
-        else:
-            lines.masks[key] = build_attention_mask(doc_ids, branch_ids, backend)
+        lines.masks[key] = batch_attention_mask(lines.spans[start:end], backend, segment_waste=GROUP_SEGMENT_WASTE)
     return lines.masks[key]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from prefixdpo.data.batch import Batch
+from prefixdpo.data.lines import sequence_tokens
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.forward import decoder_output, through_engine
 from prefixdpo.core.logprobs import UnsupportedModelError
@@ -45,20 +46,13 @@ def score_head(model) -> torch.nn.Module:
 def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(line [R], column [R]) of the token whose hidden state scores each response (module docstring).
 
-    The candidates of response r are the tokens of its own sequence: its document's prompt (branch 0) and its own
-    branch; on tree lines, the tokens whose span holds the sequence's last token (`Batch.response_last`: its
+    The candidates of response r are the tokens of its own sequence (`lines.sequence_tokens`: its last token's
     ancestors and itself). -> the rightmost candidate that is not `pad_token_id` (any candidate if None), else the
-    sequence's first token. (A line holds a sequence's tokens in their order in both layouts.)
+    sequence's first token. (A line holds a sequence's tokens in their order.)
     """
     line = batch.response_line
     ids = batch.input_ids[line]  # [R, L]
-    if batch.is_tree:
-        spans, last = batch.tree_spans[line], batch.response_last[:, None]  # [R, L, 2], [R, 1]
-        own = (spans[..., 0] <= last) & (last < spans[..., 1])  # padding's span (-1, -1) holds no column
-    else:
-        docs, branches = batch.doc_ids[line], batch.branch_ids[line]
-        doc, branch = batch.response_doc[:, None], batch.response_branch[:, None]
-        own = (docs == doc) & ((branches == 0) | (branches == branch))
+    own = sequence_tokens(batch)
     kept = own if pad_token_id is None else own & (ids != pad_token_id)
     columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     last = torch.where(kept, columns, -1).amax(dim=1)

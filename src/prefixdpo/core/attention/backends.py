@@ -3,10 +3,9 @@
 `ATTENTION_NAME` is registered with `transformers.AttentionInterface`, so every model that supports
 sdpa/flex runs it without per-architecture patches. transformers hands a 4D tensor or a BlockMask given
 as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
-build: a BlockMask runs FlexAttention, a dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor
-carrying a `prefix_plan` runs segmented SDPA, one carrying a `varlen_plan` runs FlashAttention varlen.
-Tree lines (`data.tree`) have each backend's mask built along their tree (`build_tree_attention_mask`): every backend
-follows them.
+build (`batch_attention_mask`, from the lines' spans, the one rule of `masks.py`): a BlockMask runs FlexAttention, a
+dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor carrying a `prefix_plan` runs segmented SDPA, one
+carrying a `varlen_plan` runs FlashAttention varlen.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask, tree_block_mask, tree_dense_mask
+from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.errors import ConfigError
@@ -108,51 +107,18 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
     return backend
 
 
-def build_attention_mask(doc_ids: torch.Tensor, branch_ids: torch.Tensor, backend: str):
-    """The mask object for a resolved backend: BlockMask for flex, bool [B,1,L,L] for sdpa, a
-    plan-carrying tensor for segmented and varlen."""
+def batch_attention_mask(lines, backend: str, *, segment_waste: float = 0.25):
+    """The mask object of `lines` (a `data.lines.Lines`, or its [B, L, 2] spans) for a resolved backend: the dense
+    bool [B, 1, L, L] mask for sdpa, the BlockMask for flex, a plan-carrying tensor for segmented and varlen; one
+    rule, over the spans (`masks.py`). segment_waste: the padding a group of segments may add (`segments._group`)."""
+    spans = lines if isinstance(lines, torch.Tensor) else lines.spans
     if backend == "varlen":
-        return varlen.varlen_plan_mask(varlen.build_varlen_plan(doc_ids, branch_ids), doc_ids.device)
+        return varlen.varlen_plan_mask(varlen.build_varlen_plan(spans), spans.device)
     if backend == "segmented":
-        return segment_plan_mask(build_segment_plan(doc_ids, branch_ids), doc_ids.device)
+        return segment_plan_mask(build_segment_plan(spans, waste=segment_waste), spans.device)
     if backend == "flex":
-        return block_mask(doc_ids, branch_ids)
+        return block_mask(spans)
     if backend == "sdpa":
-        return dense_mask(doc_ids, branch_ids)
+        return dense_mask(spans)
     raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
 
-
-def build_tree_attention_mask(tree_spans: torch.Tensor, backend: str):
-    """The mask of tree lines (`Batch.tree_spans`, [B, L, 2]) for a resolved backend, marked `follows_tree`: the
-    dense SDPA mask of the tree rule, the segment plan or the varlen plan cut along the tree, or the tree's
-    FlexAttention BlockMask. Every backend follows tree lines."""
-    if backend == "varlen":
-        mask = varlen.varlen_plan_mask(varlen.build_tree_varlen_plan(tree_spans), tree_spans.device)
-    elif backend == "segmented":
-        lines = torch.zeros(tree_spans.shape[:2], dtype=torch.long, device=tree_spans.device)  # [B, L]: the shape
-        plan = build_segment_plan(lines, lines, tree_spans=tree_spans)
-        mask = segment_plan_mask(plan, tree_spans.device)
-    elif backend == "flex":
-        mask = tree_block_mask(tree_spans)
-    elif backend == "sdpa":
-        mask = tree_dense_mask(tree_spans)
-    else:
-        raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
-    mask.follows_tree = True
-    return mask
-
-
-def batch_attention_mask(batch, backend: str):
-    """The mask of `batch` (a `data.batch.Batch`) for a resolved backend: its tree's for tree lines, else the
-    (document, branch) rule's (`build_attention_mask`)."""
-    if batch.is_tree:
-        return build_tree_attention_mask(batch.tree_spans, backend)
-    return build_attention_mask(batch.doc_ids, batch.branch_ids, backend)
-
-
-def check_mask_follows_lines(batch, attention_mask) -> None:
-    """Tree lines only with a mask built for them (`build_tree_attention_mask`): a (document, branch) mask would
-    let each token see the wrong ones. A ConfigError in one line."""
-    if batch.is_tree and not getattr(attention_mask, "follows_tree", False):
-        raise ConfigError("tree lines need their own attention mask (build_tree_attention_mask, or "
-                          "batch_attention_mask for any batch); this mask follows the (document, branch) rule")

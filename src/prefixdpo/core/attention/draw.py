@@ -1,9 +1,9 @@
 """Draw the attention mask of one packed batch line as a PNG: the picture to check before trusting it.
 
-Each allowed (query, key) cell is coloured by what the key is: the shared prompt of its document, or
-a response branch (one colour per branch index); forbidden cells are white; cells of padding queries
-or keys are grey. Document boundaries are drawn as lines. The mask drawn is `masks.dense_mask`, the
-same rule every backend uses; a tree line's (`data.tree`) is `masks.tree_dense_mask`.
+Each allowed (query, key) cell is coloured by what the key is: shared (on the way to 2+ sequences: a prompt, a
+system prompt, earlier turns), or the one sequence (branch) below it, numbered within its trie (one colour per
+number); forbidden cells are white; cells of padding queries or keys are grey. The boundaries between the tries of
+a line (packed examples) are drawn as lines. The mask drawn is `masks.dense_mask`, the rule every backend uses.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from prefixdpo.atomic_io import atomic_path
-from prefixdpo.core.attention.masks import dense_mask, tree_dense_mask
-from prefixdpo.data.batch import Batch
+from prefixdpo.core.attention.masks import dense_mask
+from prefixdpo.data.lines import Lines
 
 __all__ = ["MASK_COLOURS", "mask_image", "draw_mask"]
 
@@ -27,37 +27,46 @@ MASK_COLOURS = {
 }
 
 
-def tree_branches(tree_spans: np.ndarray) -> np.ndarray:
-    """Per token of a tree line ([L, 2] spans): 0 where it lies on the way to 2+ leaves of the trie (shared), else
-    the number (1, 2, ...) of the one leaf below it, in line order; -1 for padding. For the picture only."""
-    tin, tout = tree_spans[:, 0], tree_spans[:, 1]
-    leaves = np.flatnonzero((tout == tin + 1) & (tin >= 0))
+def tree_roots(spans: np.ndarray) -> np.ndarray:
+    """Per slot of a line ([L, 2] spans): the number (0, 1, ...) of the trie it belongs to, in line order; -1 for
+    padding. A slot starts a new trie when no earlier slot's subtree holds it."""
+    tin, tout = spans[:, 0], spans[:, 1]
     out = np.full(len(tin), -1, dtype=np.int64)
+    reach, root = -1, -1
     for t in np.flatnonzero(tin >= 0):
-        below = np.flatnonzero((leaves >= tin[t]) & (leaves < tout[t]))
-        out[t] = 0 if len(below) > 1 else int(below[0]) + 1
+        if tin[t] >= reach:
+            root += 1
+        reach = max(reach, tout[t])
+        out[t] = root
     return out
 
 
-def mask_image(batch: Batch, line: int = 0) -> np.ndarray:
-    """RGB image [L, L, 3] uint8 of line `line` of `batch` (rows = queries, columns = keys). A tree line
-    (`data.tree`) is drawn with its own rule (`masks.tree_dense_mask`), keys coloured shared (on the way to 2+
-    leaves) or by the one leaf they lead to."""
-    doc = batch.doc_ids[line : line + 1].cpu()
-    if batch.is_tree:
-        spans = batch.tree_spans[line : line + 1].cpu()
-        allowed = tree_dense_mask(spans)[0, 0].numpy()
-        branch = tree_branches(spans[0].numpy())
-        branch[branch < 0] = 0
-        doc = doc[0].numpy()
-    else:
-        branch = batch.branch_ids[line : line + 1].cpu()
-        allowed = dense_mask(doc, branch)[0, 0].numpy()  # [L, L]
-        doc, branch = doc[0].numpy(), branch[0].numpy()
-    L = doc.shape[0]
+def tree_branches(spans: np.ndarray) -> np.ndarray:
+    """Per slot of a line ([L, 2] spans): 0 where it lies on the way to 2+ leaves (shared), else the number
+    (1, 2, ...) of the one leaf below it, counted within its trie; -1 for padding. For the picture only."""
+    tin, tout = spans[:, 0], spans[:, 1]
+    leaves = np.flatnonzero((tout == tin + 1) & (tin >= 0))
+    roots = tree_roots(spans)
+    first_leaf = {}  # trie -> the index (in `leaves`) of its first leaf
+    for i, leaf in enumerate(leaves):
+        first_leaf.setdefault(roots[leaf], i)
+    out = np.full(len(tin), -1, dtype=np.int64)
+    for t in np.flatnonzero(tin >= 0):
+        below = np.flatnonzero((leaves >= tin[t]) & (leaves < tout[t]))
+        out[t] = 0 if len(below) > 1 else int(below[0]) - first_leaf[roots[t]] + 1
+    return out
+
+
+def mask_image(batch: Lines, line: int = 0) -> np.ndarray:
+    """RGB image [L, L, 3] uint8 of line `line` of `batch` (rows = queries, columns = keys), keys coloured shared
+    (on the way to 2+ leaves) or by the one leaf they lead to."""
+    spans = batch.spans[line : line + 1].cpu()
+    allowed = dense_mask(spans)[0, 0].numpy()  # [L, L]
+    branch = tree_branches(spans[0].numpy())
+    pad = branch < 0
+    L = branch.shape[0]
     img = np.empty((L, L, 3), dtype=np.uint8)
     img[:] = MASK_COLOURS["forbidden"]
-    pad = (doc < 0)
     img[pad[:, None] | pad[None, :]] = MASK_COLOURS["padding"]
     real = allowed & ~pad[:, None] & ~pad[None, :]
     key_colour = np.empty((L, 3), dtype=np.uint8)
@@ -69,7 +78,7 @@ def mask_image(batch: Batch, line: int = 0) -> np.ndarray:
     return img
 
 
-def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None = None) -> Path:
+def draw_mask(batch: Lines, path: str | Path, line: int = 0, title: str | None = None) -> Path:
     """Write the mask of `batch`'s line `line` as a PNG at `path` (matplotlib, Agg); returns the path."""
     import matplotlib
 
@@ -81,21 +90,18 @@ def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None =
         raise ValueError(f"line {line} is out of range: the batch has {batch.input_ids.shape[0]} lines")
     img = mask_image(batch, line)
     L = img.shape[0]
-    doc = batch.doc_ids[line].cpu().numpy()
+    spans = batch.spans[line].cpu().numpy()
+    doc = tree_roots(spans)
     fig, ax = plt.subplots(figsize=(6.4, 6.4))
     ax.imshow(img, interpolation="nearest")
     starts = [i for i in range(1, L) if doc[i] != doc[i - 1]]
     for s in starts:  # document (and padding) boundaries
         ax.axhline(s - 0.5, color="black", lw=0.6)
         ax.axvline(s - 0.5, color="black", lw=0.6)
-    if batch.is_tree:
-        n_branches = int(tree_branches(batch.tree_spans[line].cpu().numpy()).max())
-        shared = "shared by 2+ sequences"
-    else:
-        n_branches, shared = int(batch.branch_ids[line].max()), "prompt (shared)"
-    handles = [Patch(color=np.array(MASK_COLOURS["prompt"]) / 255, label=shared)]
+    n_branches = int(tree_branches(spans).max())
+    handles = [Patch(color=np.array(MASK_COLOURS["prompt"]) / 255, label="shared by 2+ sequences (a prompt)")]
     handles += [Patch(color=np.array(MASK_COLOURS["branches"][(b - 1) % len(MASK_COLOURS["branches"])]) / 255,
-                      label=f"{'branch' if batch.is_tree else 'response'} {b}")
+                      label=f"branch {b}")
                 for b in range(1, min(n_branches, 12) + 1)]
     handles += [Patch(color=np.array(MASK_COLOURS["padding"]) / 255, label="padding"),
                 Patch(facecolor="white", edgecolor="black", label="not allowed")]
@@ -103,7 +109,7 @@ def draw_mask(batch: Batch, path: str | Path, line: int = 0, title: str | None =
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     n_docs = len({int(d) for d in doc if d >= 0})
-    ax.set_title(title or f"line {line}: {n_docs} documents, {L} positions")
+    ax.set_title(title or f"line {line}: {n_docs} tries, {L} positions")
     fig.tight_layout()
     path = Path(path)
     with atomic_path(str(path)) as tmp:  # the format from the real name: the temporary one has no image suffix

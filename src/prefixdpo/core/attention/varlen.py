@@ -1,11 +1,9 @@
 """FlashAttention-varlen attention for prefix-shared lines: no padding, no mask, one kernel call per layer.
 
-The segments are those of `attention/segments.py`: per document, the prompt and the first response are
-one causal sequence (queries = keys = `[prompt][response 1]`), and every later response k is a sequence
-of its own queries over the gathered keys `[prompt][response k]`, causal aligned bottom-right (query i
-sees the whole prompt and response tokens 0..i). Tree lines (`data.tree`) are cut as the segment plan cuts them
-(`segments._tree_segments`): each run of tokens whose parent is the token before it, its keys the run's ancestors
-then the run, causal aligned bottom-right. FlashAttention's varlen kernel takes all segments of
+The segments are those of `attention/segments.py` (`segments.line_segments`): each run of tokens whose parent is the
+token before it, its keys the run's ancestors then the run, causal aligned bottom-right (for a prefix-shared
+example: the prompt and the first response one causal sequence, every later response k its own queries over the
+gathered keys `[prompt][response k]`). FlashAttention's varlen kernel takes all segments of
 the batch packed end to end, with separate cumulative lengths for queries and keys, so each segment
 computes only its allowed blocks and nothing is padded.
 
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixdpo.core.attention.segments import _segments, _tree_segments
+from prefixdpo.core.attention.segments import line_segments
 from prefixdpo.errors import ConfigError
 
 try:
@@ -63,16 +61,11 @@ class VarlenPlan:
         return self.cu_seq_q.numel() - 1
 
 
-def build_varlen_plan(doc_ids: torch.Tensor, branch_ids: torch.Tensor) -> VarlenPlan:
-    """Plan varlen attention for [B, L] doc ids (-1 = padding) and branch ids (see module docstring)."""
-    return _packed_plan(_segments(doc_ids.cpu(), branch_ids.cpu()), *doc_ids.shape, doc_ids.device)
-
-
-def build_tree_varlen_plan(tree_spans: torch.Tensor) -> VarlenPlan:
-    """Plan varlen attention for tree lines' [B, L, 2] spans ((tin, tout); (-1, -1) = padding): the segment plan's
-    segments (`segments._tree_segments`), packed end to end."""
-    B, L, _ = tree_spans.shape
-    return _packed_plan(_tree_segments(tree_spans.cpu()), B, L, tree_spans.device)
+def build_varlen_plan(spans: torch.Tensor) -> VarlenPlan:
+    """Plan varlen attention for lines' [B, L, 2] spans ((tin, tout); (-1, -1) = padding): the segment plan's
+    segments (`segments.line_segments`), packed end to end."""
+    B, L, _ = spans.shape
+    return _packed_plan(line_segments(spans.cpu()), B, L, spans.device)
 
 
 def _packed_plan(segs: list[tuple[list[int], list[int]]], B: int, L: int, device) -> VarlenPlan:
