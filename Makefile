@@ -45,7 +45,7 @@ bench-quick: $(STAMP)
 # Writes gpu-check.json and gpu-check.md into $(OUT) (default gpu-check-results).
 OUT ?= gpu-check-results
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m prefixdpo.gpu_check --out "$(OUT)"
+	PYTHONPATH=src $(PYTHON) -m prefixdpo.tools.gpu_check --out "$(OUT)"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

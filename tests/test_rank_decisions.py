@@ -22,7 +22,7 @@ import pytest
 from conftest import run_processes
 
 import drive_rank_decisions as driver
-from prefixdpo.demo import BUILD_FILE, build_demo
+from prefixdpo.tools.demo import BUILD_FILE, build_demo
 
 
 @pytest.fixture(scope="module")

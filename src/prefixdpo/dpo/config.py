@@ -8,7 +8,7 @@ on, bf16 where the device has it). TRL options that prefix sharing makes moot (`
 accepted and say so in their help. The prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
 `logprob_chunk_size`, `ref_cache_dir`; so are `nonfinite` and `nonfinite_max_consecutive` (a NaN/inf step).
 
-The command line reads these with `prefixdpo.option_parser.parse_options(DPO_OPTIONS, argv)`.
+The command line reads these with `prefixdpo.commands.options.parse_options(DPO_OPTIONS, argv)`.
 """
 
 from __future__ import annotations

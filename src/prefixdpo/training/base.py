@@ -110,6 +110,12 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
     def pad_token_id(self) -> int:
         return pad_token_id(self.processing_class)
 
+    @property
+    def train_tree_plan(self):
+        """The tries the training data runs as (`prefix_tree`), once training has begun; else None."""
+        micro = self._train_micro
+        return None if micro is None else micro.tree_plan
+
     def _loader_settings(self, *, train: bool) -> LoaderSettings:
         size = self._train_batch_size if train else self.args.per_device_eval_batch_size
         return loader_settings(self.args, train=train, batch_size=size, pad_token=self.pad_token_id,

@@ -2,7 +2,7 @@
 the dataset to read, and the checks and TRL-style resolutions (bf16, checkpointing names, padding) that every
 method's config applies. Each method's config (`dpo/config.py`, `reward/config.py`) is a dataclass over
 `transformers.TrainingArguments` that inherits these fields; the command line reads them with
-`prefixdpo.option_parser`."""
+`prefixdpo.commands.options`."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.engines import whole_model_state_dict
 from prefixdpo.core.model_checks import restore_stock_attention
 from prefixdpo.errors import TrainingInterrupted, TrainingPreempted, UserError
-from prefixdpo.rank_decisions import any_rank, from_rank0
+from prefixdpo.core.rank_decisions import any_rank, from_rank0
 from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import PreemptionSignals
 from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
