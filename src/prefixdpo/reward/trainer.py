@@ -20,7 +20,7 @@ from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import reward_examples
 from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_reward_losses
 from prefixdpo.reward.model import prepare_reward_model
-from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.core.scores import compute_response_scores
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.training.options import resolve_tokens_per_pass
 

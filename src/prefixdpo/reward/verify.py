@@ -15,7 +15,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.core.model_checks import prepare_model, text_config
 from prefixdpo.reward.losses import pair_reward_losses
-from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.core.scores import compute_response_scores
 from prefixdpo.core.verify import VerifyResult, stock_sequences
 
 

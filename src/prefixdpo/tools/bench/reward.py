@@ -19,7 +19,7 @@ from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
 from prefixdpo.tools.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
 from prefixdpo.reward.losses import pair_reward_losses
-from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.core.scores import compute_response_scores
 
 __all__ = ["RewardStep", "build_reward_model", "reward_ideal_speedup", "reward_flop_split"]
 
