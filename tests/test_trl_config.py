@@ -15,6 +15,7 @@ import torch
 
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.errors import ConfigError
 
 trl = pytest.importorskip("trl")
@@ -95,7 +96,7 @@ def test_trl_options_parse_and_reach_the_loss_params(tmp_path):
     assert (config.pad_to_multiple_of, config.dataset_num_proc, config.padding_free) == (8, 4, True)
     assert (config.router_aux_loss_coef, config.sync_ref_model, config.ref_model_mixup_alpha,
             config.ref_model_sync_steps) == (0.01, True, 0.9, 4)
-    params = config.loss_params()
+    params = LossParams.from_config(config)
     assert params.use_weighting is True and params.ld_alpha == 0.5
     assert PrefixDPOConfig(output_dir=str(tmp_path), pad_to_multiple_of="none").pad_to_multiple_of is None
 

@@ -23,6 +23,7 @@ from prefixdpo.reward.model import prepare_reward_model
 from prefixdpo.core.scores import compute_response_scores
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.training.options import resolve_tokens_per_pass
+from prefixdpo.training.settings import fit_settings
 
 __all__ = ["PrefixRewardTrainer"]
 
@@ -47,7 +48,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         self._data_options = data_options or reward_data_options(args)
         self.data_reports: dict = {}
         train, evals = self._examples_of(train_dataset, eval_dataset, processing_class, args)
-        check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
+        check_run_fits(model, fit_settings(args, self.backend), train, evals)  # before any work (fit.py)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
         self._init_run_state()

@@ -40,12 +40,12 @@ from prefixdpo.core.fingerprints import data_fingerprint
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
-from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options
 from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.core.offloading import activation_offloading_context
-from prefixdpo.data.inputs import loader_settings, pad_token_id
+from prefixdpo.data.inputs import pad_token_id
+from prefixdpo.training.settings import apply_engine_settings, loader_settings
 
 
 class PrefixTrainerBase(SurvivingRun, Trainer):
@@ -100,9 +100,12 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
-        refuse_unsupported_engine_options(self)
+        apply_engine_settings(self, self._whole_weight_options())  # a requested FSDP applied (also on CPU), or refused
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+
+    def _whole_weight_options(self) -> tuple[str, ...]:
+        """The method's options, set in this run, that read every weight whole (refused under ZeRO-3)."""
+        return ()
 
     # ---- data -------------------------------------------------------------------------------
 
