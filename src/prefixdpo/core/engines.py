@@ -166,5 +166,6 @@ def local_numel(model) -> int:
     return int(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()))
 
 
-__all__ = ["EngineSettings", "describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
-           "refuse_unsupported_engine_options", "sharded_parameter_count", "whole_model_state_dict"]
+__all__ = ["EngineSettings", "describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel",
+           "prepare_reference_for_engine", "refuse_unsupported_engine_options", "sharded_parameter_count",
+           "whole_model_state_dict"]

@@ -372,8 +372,9 @@ def needs_reference(loss_types: Iterable[str] | str) -> bool:
 
 
 def needs_step_pairs(loss_types: Iterable[str] | str, *, train: bool = True) -> bool:
-    """Whether the step context needs the step's pairs (:meth:`PairLogps.for_step`) for these losses: rows with ``step_values`` always,
-    rows with ``running_mean`` when training (the trainer then runs a no-grad pre-pass over the step)."""
+    """Whether the step context needs the step's pairs (:meth:`PairLogps.for_step`) for these losses: rows with
+    ``step_values`` always, rows with ``running_mean`` when training (the trainer then runs a no-grad pre-pass over
+    the step)."""
     return any(LOSS_TABLE[name].needs_step_pairs(train=train) for name in _names(loss_types))
 
 

@@ -1,8 +1,11 @@
 """One DPO micro-batch, from the loader to the loss Trainer runs backward on: the whole path in this file, the loss
 table beside it (`loss_table.py`: one row per loss; `losses.py`: the pure functions).
 
+    the loader           `data.loader.MicroBatches` (built by `training.base.get_train_dataloader`) plans each
+                         epoch's micro-batches, padded or packed lines, the same number on every rank; each item
+                         is one `MicroBatch` (a `Batch` of lines and its pairs, and the step's pair count)
     transformers.Trainer._inner_training_loop, per optimizer step:
-      get_batch_samples    the step's micro-batches (`data.loader.MicroBatch`), all in hand before the first forward
+      get_batch_samples    the step's micro-batches, all in hand before the first forward
         _in_step           each as a `StepInputs`; losses coupled across the step's pairs (sft, aot, bco_pair) get
                            their slice of the step's context (`coupling.py`), from a no-grad `_prepass` where they
                            need every pair's log-probs (its mask and reference sums are kept for the training pass)
@@ -12,7 +15,7 @@ table beside it (`loss_table.py`: one row per loss; `losses.py`: the pure functi
                              2. reference pass: sums [R] (no grad; a `reference.Reference`, or the pre-pass's)
                              3. pair log-probs [P] (LD-DPO's split, WPO's weights: `token_weights.py`)
                              4. combined loss [P]: the configured rows of the loss table, weighted
-                           and the micro-batch's metric sums (TRL's names, `metrics.py`)
+                           and the micro-batch's metric sums (TRL's names, `PairStep.metric_sums`)
         _compute_loss      sum(pair losses) x W / N, N the step's pairs over all W ranks (`_step_share`), plus the
                            MoE load-balancing loss as TRL weighs it
       Trainer: loss.backward(); after the step's last micro-batch, the optimizer step.
@@ -40,12 +43,13 @@ from prefixdpo.dpo.coupling import StepContext, StepCoupling, build_step_context
 from prefixdpo.dpo.loss_table import (
     LOSS_TABLE, LossParams, LossRow, PairLogps, check_loss_options, loss_row, needs_step_pairs, resolve_losses,
 )
-from prefixdpo.dpo.metrics import pair_metric_sums
+from prefixdpo.dpo.losses import rewards
 from prefixdpo.dpo.reference import IdleReference
 from prefixdpo.dpo.token_weights import ld_pair_logps, wpo_aligned_logps, wpo_pair_weights
+from prefixdpo.training.metrics import COUNTS, MetricSums
 
-__all__ = ["Objective", "StepInputs", "PairStep", "DPOTrainingStep", "pair_losses", "pair_logps", "zero_weight_loss",
-           "combined_loss"]
+__all__ = ["Objective", "StepInputs", "PairStep", "DPOMetricSums", "DPOTrainingStep", "pair_losses", "pair_logps",
+           "zero_weight_loss", "combined_loss"]
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,32 @@ class PairStep:
     aux_loss: Tensor | None = None
 
     def metric_sums(self, beta: float) -> dict[str, float]:
+        """Sums over the pairs of TRL's per-pair metrics (`PAIR_METRICS`; rewards as TRL computes them, length-
+        normalised without a reference). One `.tolist()` for all six: each `.item()` would be a device sync on GPU."""
         p = self.pairs
-        return pair_metric_sums(p.policy_chosen_logps, p.policy_rejected_logps, p.ref_chosen_logps,
-                                p.ref_rejected_logps, p.chosen_lengths, p.rejected_lengths, beta)
+        r_c = rewards(p.policy_chosen_logps, p.ref_chosen_logps, beta, p.chosen_lengths).detach()
+        r_r = rewards(p.policy_rejected_logps, p.ref_rejected_logps, beta, p.rejected_lengths).detach()
+        sums = torch.stack([
+            r_c.sum(), r_r.sum(), (r_c - r_r).sum(), (r_c > r_r).to(r_c.dtype).sum(),
+            p.policy_chosen_logps.detach().sum(), p.policy_rejected_logps.detach().sum(),
+        ]).tolist()
+        return dict(zip(PAIR_METRICS, sums))
+
+
+# per-pair sums -> logged as sum / pairs, under TRL's names
+PAIR_METRICS = (
+    "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
+)
+
+
+class DPOMetricSums(MetricSums):
+    """DPO's per-pair sums between two logs, logged as means per pair (`training.metrics`), reduced over ranks."""
+
+    KEYS = PAIR_METRICS + COUNTS
+
+    def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
+        pairs = max(totals["pairs"], 1.0)
+        return {k: totals[k] / pairs for k in PAIR_METRICS}
 
 
 class DPOTrainingStep:
@@ -170,6 +197,9 @@ class DPOTrainingStep:
 
     def _micro_batch(self, inputs: StepInputs) -> MicroBatch:
         return inputs.micro
+
+    def _new_metric_sums(self) -> DPOMetricSums:
+        return DPOMetricSums()
 
     # ---- one micro-batch ------------------------------------------------------------------------------------------
 

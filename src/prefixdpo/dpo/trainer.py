@@ -8,25 +8,23 @@ logging, engines, export). Here:
 - the step: `step.DPOTrainingStep`, the Trainer hooks of one optimizer step, read top to bottom in `step.py`
   (the step's micro-batches and their context, each micro-batch's passes, losses, metric sums and share);
 - the reference: one strategy (`reference.py`, built by `build_reference`), asked only through its methods;
-- logging: TRL's metric names, reduced over ranks (`metrics.py`).
+- logging: TRL's metric names, reduced over ranks (`step.DPOMetricSums`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prefixdpo.core.fit import Batches, check_run_fits
+from prefixdpo.core.fit import Batches
 from prefixdpo.data.inputs import as_examples
 from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
-from prefixdpo.dpo.metrics import DPOMetricSums
 from prefixdpo.dpo.reference import build_reference
 from prefixdpo.dpo.step import DPOTrainingStep
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.training.model_setup import prepare_policy
 from prefixdpo.training.nonfinite import NonFiniteLossError
 from prefixdpo.training.options import resolve_tokens_per_pass
-from prefixdpo.training.settings import fit_settings
 
 __all__ = ["PrefixDPOTrainer", "NonFiniteLossError"]  # the error is raised by our callback, caught by users
 
@@ -49,13 +47,10 @@ class PrefixDPOTrainer(DPOTrainingStep, PrefixTrainerBase):
         model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
                                                  tokenizer=processing_class)
         self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
-
-        self._data_options = data_options or default_data_options(args)
-        self.data_reports: dict = {}
-        train_examples, eval_examples = self._examples_of(train_dataset, eval_dataset, processing_class, args)
         precompute = (Batches("reference precompute", "precompute_ref_batch_size", args.precompute_batch_size),)
-        check_run_fits(model, fit_settings(args, self.backend, precompute if args.precompute_ref_log_probs else ()),
-                       train_examples, eval_examples)  # before any work (fit.py)
+        train_examples, eval_examples = self._examples_that_fit(
+            model, args, data_options or default_data_options(args), train_dataset, eval_dataset, processing_class,
+            extra_passes=precompute if args.precompute_ref_log_probs else ())  # its micro-batches must fit too
 
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train_examples,
                          eval_dataset=eval_examples, processing_class=processing_class, callbacks=callbacks,
@@ -76,9 +71,6 @@ class PrefixDPOTrainer(DPOTrainingStep, PrefixTrainerBase):
         """[(name, examples or None)]: train, then each eval set ("eval", or "eval_<key>" of a dict)."""
         evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {None: self.eval_dataset}
         return [("train", self.train_dataset), *((f"eval_{k}" if k else "eval", v) for k, v in evals.items())]
-
-    def _new_metric_sums(self) -> DPOMetricSums:
-        return DPOMetricSums()
 
     def _whole_weight_options(self) -> tuple[str, ...]:
         # under ZeRO-3 a rank holds a partition of each weight: TR-DPO's in-place reference update and a reference

@@ -37,6 +37,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.core.fingerprints import data_fingerprint
+from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
@@ -45,7 +46,7 @@ from prefixdpo.core.model_checks import unwrap
 from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.core.offloading import activation_offloading_context
 from prefixdpo.data.inputs import pad_token_id
-from prefixdpo.training.settings import apply_engine_settings, loader_settings
+from prefixdpo.training.settings import apply_engine_settings, fit_settings, loader_settings
 
 
 class PrefixTrainerBase(SurvivingRun, Trainer):
@@ -65,6 +66,16 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
         logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
         return args
+
+    def _examples_that_fit(self, model, args, data_options, train_dataset, eval_dataset, tokenizer, extra_passes=()):
+        """(train Examples, eval Examples or a dict of them) of the datasets given (records through the data pipeline
+        with `data_options`, reports in `data_reports`), each checked against the model and the machine before any
+        work (`core.fit`: positions, the mask's memory in every pass, a method's `extra_passes` too)."""
+        self._data_options = data_options
+        self.data_reports: dict = {}
+        train, evals = self._examples_of(train_dataset, eval_dataset, tokenizer, args)
+        check_run_fits(model, fit_settings(args, self.backend, extra_passes), train, evals)
+        return train, evals
 
     def _examples_of(self, train_dataset, eval_dataset, tokenizer, args):
         """(train Examples, eval Examples or a dict of them) through the subclass's `_as_examples`, grouped by
