@@ -128,22 +128,6 @@ class PairStep:
         return dict(zip(PAIR_METRICS, sums))
 
 
-# per-pair sums -> logged as sum / pairs, under TRL's names
-PAIR_METRICS = (
-    "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
-)
-
-
-class DPOMetricSums(MetricSums):
-    """DPO's per-pair sums between two logs, logged as means per pair (`training.metrics`), reduced over ranks."""
-
-    KEYS = PAIR_METRICS + COUNTS
-
-    def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
-        pairs = max(totals["pairs"], 1.0)
-        return {k: totals[k] / pairs for k in PAIR_METRICS}
-
-
 class DPOTrainingStep:
     """`PrefixDPOTrainer`'s step: the Trainer hooks one optimizer step runs, in the order it runs them (module
     docstring). Reads of the trainer: `model`, `accelerator`, `args`, `backend`, `pad_token_id`, `tokens_per_pass`
@@ -400,3 +384,20 @@ def _checked_context(context, names: list[str], inputs: PairLogps, params: LossP
         raise ValueError(f"context holds {held} pairs but inputs hold {inputs.num_pairs}: pass context.local(indices) "
                          "of this micro-batch")
     return context
+
+
+# ---- the metric sums: TRL's names, summed per pair, logged as means ------------------------------------------------
+
+PAIR_METRICS = (
+    "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
+)
+
+
+class DPOMetricSums(MetricSums):
+    """DPO's per-pair sums between two logs, logged as means per pair (`training.metrics`), reduced over ranks."""
+
+    KEYS = PAIR_METRICS + COUNTS
+
+    def means(self, totals: dict[str, float], accelerator=None) -> dict[str, float]:
+        pairs = max(totals["pairs"], 1.0)
+        return {k: totals[k] / pairs for k in PAIR_METRICS}

@@ -21,8 +21,9 @@ it is (`_prepare_inputs`), or, where a method works something out per optimizer 
 per-step object (`_micro_batch` reads the MicroBatch back out of it).
 
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
-sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_micro_batch`, and its
-per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
+sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_micro_batch`, the options an engine
+must refuse (`_whole_weight_options`), and its per-checkpoint state (`_checkpoint_state` /
+`_restore_checkpoint_state`). The config reaches `data/` and `core/` only as frozen settings (`settings.py`).
 """
 
 from __future__ import annotations
