@@ -24,7 +24,7 @@ from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.grouping import PAIR_RECORDS, group_by_prompt
 from prefixdpo.data.loader import pair_margins
-from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.dpo.reference import SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 from prefixdpo.errors import ConfigError

@@ -51,7 +51,7 @@ from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
-from prefixdpo.core.engines import enable_requested_fsdp, refuse_prefix_reuse_on_sharded_engines
+from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
@@ -202,8 +202,7 @@ class PrefixSharedLogps:
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
-        refuse_prefix_reuse_on_sharded_engines(self)
+        apply_engine_settings(self)  # a requested FSDP applied (accelerate drops it on CPU); prefix reuse refused on it
         _fill_safety_defaults(self.args)
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 

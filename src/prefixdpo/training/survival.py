@@ -280,7 +280,7 @@ class SurvivingRun:
         if self.args.should_save and os.path.isdir(staging):
             shutil.rmtree(staging)
         self.accelerator.wait_for_everyone()
-        with whole_model_state_dict(self):
+        with whole_model_state_dict(self.accelerator):
             super().save_model(staging, _internal_call)
         if self.args.should_save:
             restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
