@@ -254,11 +254,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
-                        GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
-    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
-    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun):
+    """What prefixdpo adds to a TRL group trainer (mixed in before it): log-prob passes on prefix-shared rows,
+    shared-prompt generation and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently
+    wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`), each set up after TRL's `__init__`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -269,16 +268,9 @@ class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptS
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
-                        RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
-    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
-    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixGroupTrainer, GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with what `PrefixGroupTrainer` adds."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._setup_prefix_sharing()
-        self._setup_shared_generation()
-        self._setup_shared_scoring()
-        self._guard_reward_funcs()
-        self._init_survival()
+
+class PrefixRLOOTrainer(PrefixGroupTrainer, RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with what `PrefixGroupTrainer` adds."""
