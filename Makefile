@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo demo-reward demo-grpo demo-rloo bench bench-quick gpu-check clean
+.PHONY: setup test demo demo-reward demo-grpo demo-rloo bench bench-quick gpu-check docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,11 @@ bench-quick: $(STAMP)
 # Writes gpu-check.json and gpu-check.md into $(OUT) (default gpu-check-results).
 OUT ?= gpu-check-results
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m prefixdpo.gpu_check --out "$(OUT)"
+	PYTHONPATH=src $(PYTHON) -m prefixdpo.tools.gpu_check --out "$(OUT)"
+
+# The documentation site (docs/, mkdocs.yml) built into site/; `.venv/bin/mkdocs serve` to browse it while editing.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build site src/*.egg-info

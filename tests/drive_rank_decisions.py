@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import make_examples, tiny_model  # noqa: E402
 
-import prefixdpo.demo as demo  # noqa: E402
+import prefixdpo.tools.demo as demo  # noqa: E402
 from prefixdpo.dpo.config import PrefixDPOConfig  # noqa: E402
-from prefixdpo.rank_decisions import gather  # noqa: E402
+from prefixdpo.core.rank_decisions import gather  # noqa: E402
 from prefixdpo.dpo.trainer import PrefixDPOTrainer  # noqa: E402
 
 DEMO_SPEC = demo.DemoSpec(num_train=60, num_eval=10, vocab_size=300, hidden_size=32, intermediate_size=64)

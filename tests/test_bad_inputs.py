@@ -2,7 +2,7 @@
 output_dir untouched (not created when absent; byte for byte the same when it holds another run).
 
 Each case runs the real command line in-process (`prefixdpo.cli.main`) on a small model built locally
-(`prefixdpo.demo`, no downloads). Then the fit check (`prefixdpo.core.fit`) on its own: a row exactly at the
+(`prefixdpo.tools.demo`, no downloads). Then the fit check (`prefixdpo.core.fit`) on its own: a row exactly at the
 model's positions passes, one token over is refused naming the record; rope scaling and sliding windows; the
 mask-memory estimate against the measured bound. Last, every `--option` that an error message of
 prefixdpo advises is a real option of a prefixdpo command.
@@ -22,7 +22,7 @@ import pytest
 
 from prefixdpo.cli import main
 from prefixdpo.data.example import Example
-from prefixdpo.demo import DemoSpec, build_demo
+from prefixdpo.tools.demo import DemoSpec, build_demo
 
 SPEC = DemoSpec(num_train=24, num_eval=4, max_position_embeddings=512)
 WORDS = "apple river stone cloud tiger piano garden window "
@@ -395,7 +395,7 @@ def command_options() -> set[str]:
     """Every option of every prefixdpo command, as `--name` with underscores."""
     from prefixdpo.cli import build_parser
     from prefixdpo.dpo.config import DPO_OPTIONS
-    from prefixdpo.option_parser import OptionParser
+    from prefixdpo.commands.options import OptionParser
     from prefixdpo.reward.config import REWARD_OPTIONS
 
     from prefixdpo.grpo import PrefixGRPOConfig, PrefixRLOOConfig

@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo.dpo.config import DPO_OPTIONS, DPOModelArguments
 from prefixdpo import PrefixDPOConfig
-from prefixdpo.option_parser import OptionParser
+from prefixdpo.commands.options import OptionParser
 from prefixdpo.training.options import DataArguments
 from prefixdpo.errors import ConfigError, UserError
 

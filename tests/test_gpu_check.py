@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixdpo import gpu_check
-from prefixdpo.gpu_check import CheckResult
+from prefixdpo.tools import gpu_check
+from prefixdpo.tools.gpu_check import dpo as gpu_check_dpo
+from prefixdpo.tools.gpu_check.results import CheckResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,7 @@ def test_qlora_step_is_skipped_in_one_line_without_bitsandbytes_and_checks_what_
     if importlib.util.find_spec("bitsandbytes") is None:
         result = gpu_check.qlora_check("cpu")
         assert (result.status, result.detail) == ("skipped", "bitsandbytes not installed")
-    monkeypatch.setattr(gpu_check, "QLORA_NEEDS", ("peft", "trl"))
+    monkeypatch.setattr(gpu_check_dpo, "QLORA_NEEDS", ("peft", "trl"))
     monkeypatch.setattr(DPOModelArguments, "quantization_config", lambda self: None)
     result = gpu_check.qlora_check("cpu", steps=2)
     assert result.status == "FAIL" and result.detail.startswith("0 4-bit weights on cpu"), result.detail
@@ -112,8 +113,9 @@ def test_package_imports_without_datasets_or_trl():
         "        if name.split('.')[0] in ('datasets', 'trl'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import prefixdpo.gpu_check, prefixdpo.core.verify, prefixdpo.bench.runner, prefixdpo.bench.step\n"
-        "import prefixdpo.bench.model, prefixdpo.bench.workloads, prefixdpo.commands.verify, prefixdpo.cli\n"
+        "import prefixdpo.tools.gpu_check, prefixdpo.core.verify, prefixdpo.tools.bench.runner\n"
+        "import prefixdpo.tools.bench.step, prefixdpo.tools.bench.model, prefixdpo.tools.bench.workloads\n"
+        "import prefixdpo.commands.verify, prefixdpo.cli\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -147,8 +149,8 @@ def test_trainer_imports_and_trains_where_trl_and_datasets_are_absent():
 
 
 def test_grpo_plan_and_names_match_the_grpo_package():
-    from prefixdpo.bench.grpo import PROFILES
-    from prefixdpo.gpu_check_grpo import VERIFY_ARCHS
+    from prefixdpo.tools.bench.grpo import PROFILES
+    from prefixdpo.tools.gpu_check.grpo import VERIFY_ARCHS
 
     assert gpu_check.GRPO_PROFILES == tuple(PROFILES) and gpu_check.GRPO_ARCHS == VERIFY_ARCHS
     plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"], sections=("grpo",))
@@ -162,7 +164,7 @@ def test_grpo_plan_and_names_match_the_grpo_package():
 def test_grpo_section_runs_its_checks_on_cpu():
     """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16), a tiny bench of every
     profile, the whole step."""
-    from prefixdpo.bench.model import SHAPES
+    from prefixdpo.tools.bench.model import SHAPES
 
     torch.set_num_threads(1)  # conftest restores it
     lines = []
@@ -189,7 +191,7 @@ def test_grpo_section_without_trl_is_one_line_and_one_skipped_check():
         "def hidden(cls, name, path=None, target=None):\n"
         "    return None if name.split('.')[0] in ('datasets', 'trl') else find(name, path, target)\n"
         "m.PathFinder.find_spec = classmethod(hidden)\n"
-        "from prefixdpo import gpu_check\n"
+        "from prefixdpo.tools import gpu_check\n"
         "results = gpu_check.grpo_section(['sdpa'], 'cpu', time.monotonic() + 60)\n"
         "assert 'trl' not in sys.modules\n"
         "print([(r.section, r.name, r.status) for r in results], gpu_check.exit_status(results))\n"

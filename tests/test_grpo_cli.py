@@ -17,10 +17,12 @@ import torch
 from test_config import _help_options, _value_for
 
 from prefixdpo.cli import main
-from prefixdpo.commands.grpo import _parser_kwargs
+from prefixdpo.commands.grpo import RECIPE as GRPO
+from prefixdpo.commands.grpo import parse_group_args
+from prefixdpo.commands.rloo import RECIPE as RLOO
 from prefixdpo.grpo import PrefixGRPOConfig, PrefixRLOOConfig
-from prefixdpo.grpo.config import group_options, parse_group_args
-from prefixdpo.option_parser import OptionParser
+from prefixdpo.grpo.config import group_options
+from prefixdpo.commands.options import OptionParser
 
 
 def _default(f: dataclasses.Field):
@@ -40,7 +42,7 @@ def test_every_trl_field_is_ours_with_trls_default(ours, theirs):
 
 @pytest.mark.parametrize("command, config_class", [("grpo", PrefixGRPOConfig), ("rloo", PrefixRLOOConfig)])
 def test_every_option_the_help_prints_parses(command, config_class, capsys):
-    parser = OptionParser(group_options(config_class), **_parser_kwargs(command))
+    parser = OptionParser(group_options(config_class), **{"grpo": GRPO, "rloo": RLOO}[command].parser_kwargs())
     assert main([command, "--help"]) == 0
     options = _help_options(capsys.readouterr().out)
     assert len(options) > 250
@@ -81,7 +83,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     data.write_text('{"prompt": "hello"}\n{"question": "no prompt here"}\n')
     base = ["grpo", "--model", saved_tiny_model(tmp_path / "m"), "--dataset", str(data), "--output-dir",
             str(tmp_path / "o"), "--max_steps", "1"]
-    assert main(base + ["--reward_funcs", "prefixdpo.demo_grpo:vowel_share"]) == 2
+    assert main(base + ["--reward_funcs", "prefixdpo.tools.demo_grpo:vowel_share"]) == 2
     assert "record 1: no 'prompt' field (fields: question)" in _error_line(capsys)
     assert main(base + ["--reward_funcs", "no_such_reward"]) == 2
     assert "no_such_reward" in _error_line(capsys)
@@ -149,8 +151,9 @@ def test_rloo_command_trains_on_a_given_model(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     prompt_dataset(8).to_json(str(data))
     stdout = _run_cli(["rloo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
-                       "prefixdpo.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size",
-                       "4", "--max_completion_length", "8", "--max_steps", "2", "--logging_steps", "1",
+                       "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4",
+                       "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "2",
+                       "--logging_steps", "1",
                        "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"],
                       capsys)
     assert len(re.findall(r"^step\s+\d+: reward [\d.]+  \(tokens saved by prefix sharing: [1-9]", stdout, re.M)) == 2

@@ -30,12 +30,13 @@ from test_trl_model_config import _differences, lora_fields, spy_loads, trl_mode
 from prefixdpo.cli import main
 from prefixdpo.errors import ConfigError
 from prefixdpo.grpo import PrefixGRPOConfig, PrefixRLOOConfig
-from prefixdpo.grpo.config import GROUP_STREAMING_REFUSED, GroupModelArguments, GroupScriptArguments, parse_group_args
+from prefixdpo.commands.grpo import parse_group_args
+from prefixdpo.grpo.config import GROUP_STREAMING_REFUSED, GroupModelArguments, GroupScriptArguments
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-REWARD = "prefixdpo.demo_grpo:vowel_share"
+REWARD = "prefixdpo.tools.demo_grpo:vowel_share"
 
 
 def test_trls_model_config_and_script_arguments_are_ours():

@@ -16,7 +16,7 @@ from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import stand_in_batch
-from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.dpo.reference import (AdapterReference, IdleReference, NoReference, SeparateModelReference)
 from prefixdpo.dpo.step import Objective, pair_losses, zero_weight_loss
 

@@ -26,7 +26,6 @@ from prefixdpo.dpo.loss_table import (
     LossParams,
     LossRow,
     PairLogps,
-    StepPairs,
     coupled,
     known_loss_names,
     logratios,
@@ -35,7 +34,8 @@ from prefixdpo.dpo.loss_table import (
     needs_step_pairs,
     register_loss,
 )
-from prefixdpo.dpo.objective import RunningMean, build_step_context, combined_loss
+from prefixdpo.dpo.coupling import RunningMean, build_step_context
+from prefixdpo.dpo.step import combined_loss
 from prefixdpo.errors import ConfigError
 from test_trainer import config, train, weights
 from tolerances import K, K_FORWARD, assert_same_dpo_log, assert_same_weights, assert_within
@@ -103,7 +103,7 @@ def test_a_registered_running_mean_loss_gets_its_state_from_its_row(table):
         x = PairLogps(*(-20 * torch.rand(5, generator=g, dtype=torch.float64) for _ in range(4)))
         got = {}
         for name in states:
-            context = build_step_context([name], p, StepPairs.of(x), num_pairs=5, chosen_tokens=None,
+            context = build_step_context([name], p, x.for_step(), num_pairs=5, chosen_tokens=None,
                                          running={name: states[name]}, train=True)
             got[name] = combined_loss([name], None, x, p, context)[0]
         # float64, the same formula: within its eps x beta x the four sums' size (|x| <= 20)
@@ -147,7 +147,7 @@ def test_bad_rows_and_taken_names_are_refused(table):
         LossRow(compute, options=("temperature",))
     with pytest.raises(ValueError, match="lengths"):
         LossRow(compute, lengths=("prompt_lengths",))
-    with pytest.raises(ValueError, match="StepPairs"):
+    with pytest.raises(ValueError, match="the step's pairs"):
         LossRow(compute, reference=False, step_values=lambda pairs: ())
     for name in ("sigmoid", "aot_pair"):
         with pytest.raises(ValueError, match="already in the loss table"):

@@ -1,5 +1,5 @@
 """Tests for prefixdpo.dpo.losses (pure loss functions), prefixdpo.dpo.loss_table (the rows) and
-prefixdpo.dpo.objective (combined_loss, the step context).
+prefixdpo.dpo.step (combined_loss) and prefixdpo.dpo.coupling (the step context).
 
 Two kinds of reference values:
 
@@ -22,7 +22,6 @@ Two kinds of reference values:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -32,9 +31,10 @@ import pytest
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.dpo.loss_table import LOSS_TABLE, LossParams, PairLogps, StepPairs, needs_step_pairs
-from prefixdpo.dpo.losses import rewards
-from prefixdpo.dpo.objective import LossConfigError, RunningMean, StepContext, build_step_context, combined_loss
+from prefixdpo.dpo.loss_table import LOSS_TABLE, LossParams, PairLogps, needs_step_pairs
+from prefixdpo.dpo.coupling import RunningMean, StepContext, build_step_context
+from prefixdpo.dpo.losses import LossConfigError, rewards
+from prefixdpo.dpo.step import combined_loss
 from tolerances import K_FORWARD, assert_within
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -80,9 +80,13 @@ def pair_rewards(inputs: PairLogps, beta: float) -> tuple[torch.Tensor, torch.Te
             rewards(inputs.policy_rejected_logps, None, beta, inputs.rejected_lengths))
 
 
-def cat_step_pairs(parts: list[StepPairs]) -> StepPairs:
-    """Micro-batches' (or ranks') pairs concatenated in step-index order, as the trainer gathers them."""
-    return StepPairs(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(StepPairs)))
+STEP_FIELDS = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+
+
+def cat_step_pairs(parts: list[PairLogps]) -> PairLogps:
+    """Micro-batches' (or ranks') step pairs (`PairLogps.for_step`) concatenated in step-index order, as the trainer
+    gathers them."""
+    return PairLogps(*(torch.cat([getattr(p, name) for p in parts]) for name in STEP_FIELDS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +317,7 @@ def test_bco_running_mean_by_hand():
     rewards_seen = []
     for step in range(2):
         # each call is one whole training step: its context folds its rewards into the mean first
-        context = build_step_context(["bco_pair"], LossParams(beta=beta), StepPairs.of(x), num_pairs=2,
+        context = build_step_context(["bco_pair"], LossParams(beta=beta), x.for_step(), num_pairs=2,
                                      chosen_tokens=None, running={"bco_pair": state}, train=True)
         got = combined_loss(["bco_pair"], None, x, LossParams(beta=beta), context)[0].tolist()
         rewards_seen += [beta * (r[0] - r[2]) for r in HAND] + [beta * (r[1] - r[3]) for r in HAND]
@@ -435,7 +439,7 @@ STEP = 8  # pairs in the simulated optimizer step
 F64 = torch.float64  # the step-split checks: float64, the rule of `tolerances` with float64's eps
 
 # Each split: per rank, the micro-batches' pair ids (of the step's 8). The trainer's step order
-# (StepPairs) is rank by rank, micro-batch by micro-batch, so the step indices are positions there.
+# (PairLogps.for_step) is rank by rank, micro-batch by micro-batch, so the step indices are positions there.
 SPLITS = {
     "3+5": [[[0, 1, 2], [3, 4, 5, 6, 7]]],
     "1+2+5": [[[5], [0, 7], [1, 2, 3, 4, 6]]],
@@ -477,7 +481,7 @@ def _split_loss(names, weights, p, leaves, lc, lr, split, running=None, train=Fa
     """The trainer's computation: one context per step, then sum over ranks and micro-batches of
     sum(per-pair losses) / STEP."""
     groups = [ids for rank in split for ids in rank]
-    step_pairs = cat_step_pairs([StepPairs.of(_pairs(leaves, lc, lr, ids)) for ids in groups])
+    step_pairs = cat_step_pairs([_pairs(leaves, lc, lr, ids).for_step() for ids in groups])
     context = build_step_context(names, p, step_pairs, num_pairs=STEP, chosen_tokens=int(lc.sum()),
                                  running=running, train=train)
     total, offset = 0.0, 0
@@ -555,7 +559,7 @@ def test_bco_running_mean_split_equals_one_batch(split):
     want = (-torch.nn.functional.logsigmoid(beta * (pc - rc) - delta)
             - torch.nn.functional.logsigmoid(-(beta * (pr - rr) - delta))).mean()
     one = combined_loss(["bco_pair"], None, _pairs(leaves, lc, lr), p, build_step_context(
-        ["bco_pair"], p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP, chosen_tokens=None,
+        ["bco_pair"], p, _pairs(leaves, lc, lr).for_step(), num_pairs=STEP, chosen_tokens=None,
         running={"bco_pair": one_state}, train=True))[0].mean()  # fmt: skip
     for name, value in (("split", got), ("one batch", one)):
         _assert_same_step_loss(value, want, leaves, name)
@@ -567,12 +571,12 @@ def _bco_train_losses(state: RunningMean, seeds, eval_between: bool = False) -> 
     for seed in seeds:
         leaves, lc, lr = _step_leaves(seed)
         x = _pairs(leaves, lc, lr)
-        context = build_step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+        context = build_step_context(["bco_pair"], p, x.for_step(), num_pairs=STEP, chosen_tokens=None,
                                      running={"bco_pair": state}, train=True)
         out.append(combined_loss(["bco_pair"], None, x, p, context)[0].mean().item())
         if eval_between:  # evaluation reads the mean, never moves it
             before = state.state_dict()
-            ev = build_step_context(["bco_pair"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None,
+            ev = build_step_context(["bco_pair"], p, x.for_step(), num_pairs=STEP, chosen_tokens=None,
                                     running={"bco_pair": state}, train=False)
             assert state.state_dict() == before and ev.running_means["bco_pair"] == before["mean"]
     return out
@@ -619,17 +623,17 @@ def test_step_context_errors():
         build_step_context(["bco_pair"], p, None, num_pairs=STEP, chosen_tokens=None,
                            running={"bco_pair": RunningMean()}, train=True)
     with _caller_bug("holds 8 pairs but num_pairs=16"):
-        build_step_context(["aot"], p, StepPairs.of(x), num_pairs=16, chosen_tokens=None, running=None, train=True)
+        build_step_context(["aot"], p, x.for_step(), num_pairs=16, chosen_tokens=None, running=None, train=True)
     with _caller_bug("sft need chosen_tokens"):
         build_step_context(["sft"], p, None, num_pairs=STEP, chosen_tokens=None, running=None, train=True)
-    context = build_step_context(["aot"], p, StepPairs.of(x), num_pairs=STEP, chosen_tokens=None, running=None,
+    context = build_step_context(["aot"], p, x.for_step(), num_pairs=STEP, chosen_tokens=None, running=None,
                                  train=True)
     with _caller_bug(r"context holds 8 pairs but inputs hold 3: pass context.local"):
         combined_loss(["aot"], None, _pairs(leaves, lc, lr, [0, 1, 2]), p, context)
     with pytest.raises(TypeError, match="StepContext"):
         combined_loss(["bco_pair"], None, x, p, RunningMean())
     with _caller_bug("need reference"):
-        StepPairs.of(PairLogps(x.policy_chosen_logps, x.policy_rejected_logps))
+        PairLogps(x.policy_chosen_logps, x.policy_rejected_logps).for_step()
     assert isinstance(context.local(torch.tensor([2, 0])), StepContext)
 
 
@@ -639,7 +643,7 @@ def test_gathered_float64_context_keeps_the_inputs_dtype():
     x = _pairs([t.detach().float() for t in leaves], lc, lr)
     p = LossParams(label_smoothing=0.1)
     names = ["aot", "aot_unpaired", "sft"]
-    context = build_step_context(names, p, StepPairs.of(_pairs(leaves, lc, lr)), num_pairs=STEP,
+    context = build_step_context(names, p, _pairs(leaves, lc, lr).for_step(), num_pairs=STEP,
                                  chosen_tokens=float(lc.sum()), running=None, train=True)
     got, per_type = combined_loss(names, None, x, p, context.local(torch.arange(STEP)))
     assert got.dtype == torch.float32 and all(v.dtype == torch.float32 for v in per_type.values())
@@ -653,8 +657,6 @@ def test_gathered_float64_context_keeps_the_inputs_dtype():
 
 
 def _wpo_inputs(P=6, seed=0):
-    from prefixdpo.dpo.objective import PairLogps
-
     g = torch.Generator().manual_seed(seed)
     logps = [-(torch.rand(P, generator=g, dtype=torch.float64) * 20 + 1) for _ in range(4)]
     lengths = torch.randint(1, 9, (2, P), generator=g).double()
@@ -665,8 +667,6 @@ def _wpo_inputs(P=6, seed=0):
 def test_use_weighting_scales_every_loss_of_a_pair_by_its_weight():
     """TRL: per_sequence_loss *= w_chosen * w_rejected for each loss type, then weighted and summed."""
     from dataclasses import replace
-
-    from prefixdpo.dpo.objective import LossParams, combined_loss
 
     inputs = _wpo_inputs()
     names, weights = ["sigmoid", "ipo", "bco_pair"], [1.0, 0.3, 2.0]
@@ -686,16 +686,12 @@ def test_use_weighting_scales_every_loss_of_a_pair_by_its_weight():
 
 @pytest.mark.parametrize("name", ["aot", "aot_unpaired", "sft"])
 def test_use_weighting_refused_where_trl_has_no_meaning_for_it(name):
-    from prefixdpo.dpo.objective import LossParams, combined_loss
-
     with pytest.raises(LossConfigError, match=f"use_weighting .*{name}"):
         combined_loss([name], None, _wpo_inputs(), LossParams(use_weighting=True))
 
 
 def test_use_weighting_without_weights_is_a_caller_bug():
     from dataclasses import replace
-
-    from prefixdpo.dpo.objective import LossParams, combined_loss
 
     with pytest.raises(ValueError, match="wpo_weights"):
         combined_loss(["sigmoid"], None, replace(_wpo_inputs(), wpo_weights=None), LossParams(use_weighting=True))

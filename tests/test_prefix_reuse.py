@@ -245,3 +245,19 @@ def test_inspect_reports_the_activations_with_and_without_prefix_reuse(tmp_path,
     (reused,) = [line for line in out.splitlines() if "with --prefix_reuse at 8 tokens a pass" in line]
     largest = lambda line: float(line.split("largest ")[1].split(" GiB")[0])  # noqa: E731
     assert 0 < largest(reused) < largest(one_row) and "3 of 3 examples run as a prefix and chunks" in reused
+
+
+def test_bench_task_reuse_runs_the_three_modes_to_the_same_gradient(tmp_path, capsys):
+    """(~5 s) `prefixdpo bench --task reuse` at a fiftieth of the full lengths: one row, a row per pair and prefix
+    reuse each report their time, activations and peak memory, and their first steps' gradient norms agree."""
+    from prefixdpo.cli import main
+
+    assert main(["bench", "--task", "reuse", "--quick", "--length-scale", "0.02", "--examples", "1", "--repeats", "1",
+                 "--threads", "1", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in ("one-row", "split", "reused")}
+    assert set(rows) == {"one-row", "split", "reused"}
+    norms = {mode: float(cells[-2]) for mode, cells in rows.items()}
+    assert max(norms.values()) - min(norms.values()) <= 1e-5 * max(norms.values())  # the same gradient, 3 ways
+    assert "faster than split" in out and (tmp_path / "bench-reuse.md").is_file()

@@ -34,7 +34,7 @@ from prefixdpo.data.loader import LoaderSettings, MicroBatches
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.moe import recording_router_logits, trl_token_multiplicity
 from prefixdpo.data.tree import build_tree_batch, plan_tree_lines, tree_line
-from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.dpo.reference import SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 from prefixdpo.errors import ConfigError

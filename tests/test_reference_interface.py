@@ -19,7 +19,8 @@ from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import MicroBatch
 from prefixdpo.dpo.config import PrefixDPOConfig
-from prefixdpo.dpo.objective import LossConfigError, LossParams
+from prefixdpo.dpo.loss_table import LossParams
+from prefixdpo.dpo.losses import LossConfigError
 from prefixdpo.dpo.reference import PrecomputedReference, Reference, SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.dpo.tr_dpo import tr_dpo_callback

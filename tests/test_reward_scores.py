@@ -22,7 +22,7 @@ from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.reward.losses import pair_reward_losses
-from prefixdpo.reward.scores import compute_response_scores, score_positions
+from prefixdpo.core.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores
 from test_tree import CASES as TREE_CASES
 from tolerances import assert_matches_separate_passes, assert_within, float64_model

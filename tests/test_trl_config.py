@@ -15,6 +15,7 @@ import torch
 
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.errors import ConfigError
 
 trl = pytest.importorskip("trl")
@@ -84,6 +85,20 @@ def test_bf16_default_follows_the_device(monkeypatch):
     assert device_has_bf16(use_cpu=False) is False
 
 
+def test_the_loss_options_are_read_from_the_config_by_name_with_one_default_each(tmp_path):
+    """`LossParams.from_config` reads every loss option of the config by its name; the config's defaults are
+    LossParams' (written once), and every option set on the config reaches the loss."""
+    assert LossParams.from_config(PrefixDPOConfig(output_dir=str(tmp_path))) == LossParams()
+    changed = dict(beta=0.3, label_smoothing=0.2, discopop_tau=0.2, f_divergence_type="js_divergence",
+                   f_alpha_divergence_coef=0.3, use_weighting=True, ld_alpha=0.5)
+    config = PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "discopop"], **changed)
+    assert LossParams.from_config(config) == LossParams(**changed)
+    simpo_orpo = dict(simpo_gamma=0.7, orpo_alpha=0.4)  # each refused unless its loss is configured
+    config = PrefixDPOConfig(output_dir=str(tmp_path), loss_type=["simpo", "orpo"], **simpo_orpo)
+    assert LossParams.from_config(config) == LossParams(**simpo_orpo)
+    assert set(changed) | set(simpo_orpo) == {f.name for f in dataclasses.fields(LossParams)}
+
+
 def test_trl_options_parse_and_reach_the_loss_params(tmp_path):
     config, _, _ = parse_train_args([
         "--output_dir", str(tmp_path), "--use_weighting", "--ld_alpha", "0.5", "--pad_to_multiple_of", "8",
@@ -95,7 +110,7 @@ def test_trl_options_parse_and_reach_the_loss_params(tmp_path):
     assert (config.pad_to_multiple_of, config.dataset_num_proc, config.padding_free) == (8, 4, True)
     assert (config.router_aux_loss_coef, config.sync_ref_model, config.ref_model_mixup_alpha,
             config.ref_model_sync_steps) == (0.01, True, 0.9, 4)
-    params = config.loss_params()
+    params = LossParams.from_config(config)
     assert params.use_weighting is True and params.ld_alpha == 0.5
     assert PrefixDPOConfig(output_dir=str(tmp_path), pad_to_multiple_of="none").pad_to_multiple_of is None
 
@@ -196,7 +211,7 @@ def test_a_trl_dpo_yaml_runs_unchanged_and_means_what_trl_reads(tmp_path, capsys
     from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
     from prefixdpo.cli import main
-    from prefixdpo.demo import build_demo
+    from prefixdpo.tools.demo import build_demo
     from prefixdpo import PrefixDPOTrainer
 
     base = build_demo(tmp_path / "base")

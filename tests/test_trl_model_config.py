@@ -34,7 +34,7 @@ import torch
 from conftest import make_examples, tiny_model
 from prefixdpo.cli import main
 from prefixdpo.commands.train import parse_train_args
-from prefixdpo.demo import DemoSpec, build_demo
+from prefixdpo.tools.demo import DemoSpec, build_demo
 from prefixdpo.dpo.config import DPOModelArguments
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.reward.config import RewardDataArguments, RewardModelArguments
@@ -479,11 +479,12 @@ def test_dataset_config_reaches_load_dataset(local, monkeypatch):
 
 
 def test_readme_lora_examples_use_trls_flags():
-    """Item 4: the README's commands that set LoRA options also pass --use_peft (the old `--lora_r` alone spelling
-    is gone from the examples; tests/test_bad_inputs.py checks its one warning line)."""
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    """Item 4: the documented commands (README and docs/) that set LoRA options also pass --use_peft (the old
+    `--lora_r` alone spelling is gone from the examples; tests/test_bad_inputs.py checks its one warning line)."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     command = re.compile(r"\s*prefixdpo (train|reward|grpo|rloo)\b")
-    commands = [line for line in readme.read_text().splitlines() if command.match(line)]
+    commands = [line for page in pages for line in page.read_text().splitlines() if command.match(line)]
     with_lora = [line.split("#")[0] for line in commands if "--lora_" in line.split("#")[0]]
     assert len(with_lora) >= 3 and all("--use_peft" in line for line in with_lora), with_lora
 

@@ -6,10 +6,12 @@ so per-response log-probs equal those of separate `[prompt][response]` passes. T
 
     from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer        # as: from trl import DPOConfig, DPOTrainer
     from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer  # as: from trl import RewardConfig, RewardTrainer
+    from prefixdpo import PrefixGRPOConfig, PrefixGRPOTrainer      # as: from trl import GRPOConfig, GRPOTrainer
+    from prefixdpo import PrefixRLOOConfig, PrefixRLOOTrainer      # as: from trl import RLOOConfig, RLOOTrainer
 
 These names are loaded on first use (PEP 562): importing a trainer imports transformers' Trainer and its
-integrations (about 9 s of CPU here), which `import prefixdpo.data` and the light commands (inspect, --help)
-do not need.
+integrations (about 9 s of CPU here; the GRPO/RLOO names import TRL too), which `import prefixdpo.data` and the
+light commands (inspect, --help) do not need.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ _PUBLIC = {
     "PrefixDPOTrainer": "prefixdpo.dpo.trainer",
     "PrefixRewardConfig": "prefixdpo.reward.config",
     "PrefixRewardTrainer": "prefixdpo.reward.trainer",
+    "PrefixGRPOConfig": "prefixdpo.grpo.config",
+    "PrefixGRPOTrainer": "prefixdpo.grpo.trainer",
+    "PrefixRLOOConfig": "prefixdpo.grpo.config",
+    "PrefixRLOOTrainer": "prefixdpo.grpo.trainer",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -12,22 +12,6 @@ minute). CUDA: bf16, compiled FlexAttention, the paper's lengths and an 8-layer 
 from __future__ import annotations
 
 import os
-import platform
-import time
-from pathlib import Path
-
-from prefixdpo.atomic_io import atomic_write_text
-from prefixdpo.errors import ConfigError
-
-# setting -> (default, quick, cuda) where the three differ
-_PRESETS = {
-    "examples": (24, 8, 64),
-    "per_step": (6, 4, 8),
-    "repeats": (3, 2, 3),
-    "warmup": (1, 1, 1),
-    "length_scale": ("auto:600", "auto:200", 1.0),
-    "model_size": ("default", "quick", "medium"),
-}
 
 
 def register(subparsers) -> None:
@@ -83,7 +67,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--trust-remote-code", action="store_true")
-    # --task grpo only (prefixdpo.bench.grpo_report)
+    # --task grpo only (prefixdpo.tools.bench.grpo_report)
     p.add_argument("--rollouts", type=int, default=None, help="grpo: rollouts (optimizer steps) per profile")
     p.add_argument("--beta", type=float, default=0.04, help="grpo: KL coefficient; > 0 adds the reference pass")
     p.add_argument("--num-iterations", type=int, default=1,
@@ -91,15 +75,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _setting(args, name: str, cuda: bool):
-    value = getattr(args, name)
-    if value is not None:
-        return value
-    default, quick, on_cuda = _PRESETS[name]
-    return quick if args.quick else (on_cuda if cuda else default)
-
-
-def _idle_cores() -> int:
+def idle_cores() -> int:
     """Cores not busy with other processes. OpenMP threads beyond the idle cores spin at every barrier
     waiting for a descheduled sibling: measured here, a step took 3 s with 2 threads on a 2-core machine
     busy with two other jobs, and 0.04 s with 1 thread."""
@@ -111,155 +87,16 @@ def _idle_cores() -> int:
     return max(1, min(cores, cores - busy))
 
 
-def _workloads(args, settings, vocab_size: int):
-    from prefixdpo.bench.workloads import dataset_workload
-    from prefixdpo.data.synthetic import BENCH_PROFILES as PROFILES  # the paper's six + multi-response
-    from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
-
-    if args.dataset:
-        tokenizer = args.tokenizer or args.model
-        if not tokenizer:
-            raise ConfigError("--dataset needs --tokenizer (or --model, whose tokenizer is used)")
-        return [dataset_workload(args.dataset, tokenizer, settings["examples"], settings["per_step"],
-                                 split=args.split, max_length=args.max_length, vocab_size=vocab_size,
-                                 trust_remote_code=args.trust_remote_code)]
-    known = {**PROFILES, **SHARED_PREFIX_PROFILES}
-    names = [n.strip() for n in args.profiles.split(",")] if args.profiles else list(known)
-    for n in names:
-        if n not in known:
-            raise ConfigError(f"unknown profile {n!r}; known: {', '.join(known)}")
-    return [_workload(n, known[n], settings, vocab_size, args.seed) for n in names]
-
-
-def _workload(name: str, profile, settings, vocab_size: int, seed: int):
-    """The workload of one profile. A shared-prefix profile counts prompts: `examples` of them and `per_step` per
-    step, halved where a prompt holds several pair records (an shp-like post holds 5-10, a multi-turn dialogue
-    3-5), so its steps stay near the other profiles' size."""
-    from prefixdpo.bench.workloads import shared_prefix_workload, synthetic_workload
-    from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
-
-    scale = _length_scale(settings["length_scale"], profile)
-    if name not in SHARED_PREFIX_PROFILES:
-        return synthetic_workload(name, settings["examples"], settings["per_step"], vocab_size=vocab_size, seed=seed,
-                                  length_scale=scale)
-    several = profile.pairs_per_prompt[1] > 1 or profile.turns[1] > 1
-    prompts = max(2, settings["examples"] // 2) if several else settings["examples"]
-    per_step = max(1, settings["per_step"] // 2) if several else settings["per_step"]
-    return shared_prefix_workload(name, prompts, per_step, vocab_size=vocab_size, seed=seed, length_scale=scale)
-
-
-def _length_scale(value, profile) -> float:
-    """"auto:N": the paper's lengths up to a median (prompt + one completion) of N tokens, longer profiles
-    scaled down to it, so the run fits in minutes on 2 CPU cores (N = 600 default, 200 --quick). A
-    uniform scale would shrink the short profiles too, and a fixed per-step cost (optimizer, Python,
-    per-call overheads) is a larger share of a tiny step, diluting every speedup towards 1."""
-    if isinstance(value, str) and value.startswith("auto:"):
-        return min(1.0, int(value.split(":")[1]) / profile.median_total)
-    return float(value)
-
-
 def run(args) -> int:
+    threads = args.threads or idle_cores()
     if args.task == "reuse":
-        from prefixdpo.bench.prefix_reuse import run as run_reuse_bench
+        from prefixdpo.tools.bench.prefix_reuse import run as run_reuse_bench
 
-        return run_reuse_bench(args, threads=args.threads or _idle_cores())
+        return run_reuse_bench(args, threads=threads)
     if args.task == "grpo":
-        from prefixdpo.bench.grpo_report import run_group_bench
+        from prefixdpo.tools.bench.grpo_report import run_group_bench
 
-        return run_group_bench(args, threads=args.threads or _idle_cores())
-    import torch
-    from tqdm.auto import tqdm
+        return run_group_bench(args, threads=threads)
+    from prefixdpo.tools.bench.pair_report import run_pair_bench
 
-    from prefixdpo.bench.chart import plot_results
-    from prefixdpo.bench.memory import PeakMemory
-    from prefixdpo.bench.model import SHAPES, build_models
-    from prefixdpo.bench.report import markdown_report, to_json
-    from prefixdpo.bench.runner import run_workload, workload_modes
-    from prefixdpo.bench.step import DPOStep
-    from prefixdpo.bench.clock import step_clock
-
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
-    settings = {k: _setting(args, k, cuda) for k in _PRESETS}
-    clock = step_clock(args.clock, args.device)
-    for k in ("examples", "per_step", "repeats"):
-        if settings[k] < 1:
-            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {settings[k]}")
-    torch.set_num_threads(args.threads or _idle_cores())
-    dtype = torch.bfloat16 if cuda else torch.float32
-    backend = args.attention if args.attention != "auto" else ("flex" if cuda else "segmented")
-    # One line per step only where attention skips masked blocks without compiling per shape: segmented.
-    # Flex compiles per line length, so on CUDA the packed modes keep the fixed common pack length.
-    line_per_step = args.packing == "step" or (args.packing == "auto" and backend == "segmented")
-    line_multiple = 128 if backend == "flex" else 8  # flex's block size; the others skip padding's attention
-    model = args.model or SHAPES[settings["model_size"]]
-    reward = args.task == "reward"
-    if reward:
-        from prefixdpo.bench.reward import RewardStep, build_reward_model
-
-        policy, shape = build_reward_model(model, device=args.device, dtype=dtype, backend=backend, seed=args.seed,
-                                           trust_remote_code=args.trust_remote_code)
-        stepper = RewardStep(policy, backend=backend)
-    else:
-        policy, reference, shape = build_models(model, device=args.device, dtype=dtype, backend=backend,
-                                                seed=args.seed, trust_remote_code=args.trust_remote_code)
-        stepper = DPOStep(policy, reference, backend=backend)
-    workloads = _workloads(args, settings, shape.vocab)
-    if args.dataset:  # a record over the model's positions: one line, before the first step
-        from prefixdpo.core.fit import check_positions
-
-        check_positions(policy, workloads[0].examples, args.dataset)
-    pad_id = getattr(policy.config, "pad_token_id", None) or 0
-
-    steps = sum(len(w.groups) * len(workload_modes(w, trie=True)) for w in workloads) * (
-        settings["warmup"] + settings["repeats"])
-    results = []
-    t0 = time.perf_counter()
-    with tqdm(total=steps, unit="step", disable=args.no_progress) as bar:
-        for w in workloads:
-            bar.set_description(w.name)
-            results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
-                                        warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
-                                        line_per_step=line_per_step, trie=True,
-                                        line_multiple=line_multiple, clock=clock))
-    elapsed = time.perf_counter() - t0
-    if reward:
-        from prefixdpo.bench.flops import step_ideals
-        from prefixdpo.bench.reward import no_head, reward_ideal_speedup, reward_flop_split
-
-        for w, r in zip(workloads, results):  # the paper measured DPO: its numbers are not this task's
-            r.ideal, r.paper = reward_ideal_speedup(shape, w.examples), None
-            r.ideals = step_ideals(shape, [[w.examples[i] for i in g] for g in w.groups], keep=no_head)
-            r.flop_split = {k: reward_flop_split(shape, w.examples, shared=k == "shared") for k in r.flop_split}
-
-    model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "
-                                f"intermediate {shape.intermediate}, {shape.layers} layers, {shape.heads} heads "
-                                f"/ {shape.kv_heads} KV, head_dim {shape.head_dim}, vocab {shape.vocab}")
-    meta = {
-        "task": ("reward model: one scoring pass with grad + AdamW per step, Bradley-Terry loss, no reference "
-                 "and no LM head; ideal = body + attention FLOPs of standard / prefix-shared rows (the paper's "
-                 "columns are DPO's, so left empty)") if reward else
-                "DPO: policy forward + backward, reference forward, AdamW per step",
-        "device": (f"{args.device} ({torch.cuda.get_device_name()}), bf16" if cuda else
-                   f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32")
-                  + f", attention backend '{backend}' in every mode",
-        "model": model_desc,
-        "settings": (f"{settings['examples']} examples per profile, {settings['per_step']} per optimizer step, "
-                     f"{settings['warmup']} warm-up + {settings['repeats']} counted passes, modes interleaved "
-                     f"step by step; length scale {settings['length_scale']} (auto:N = the paper's lengths up to a median "
-                     "of N tokens, longer profiles scaled down to it; per profile below); "
-                     + (f"packed modes: each step's examples in one line, padded to a multiple of {line_multiple}"
-                        if line_per_step else "one pack length for both packed modes (1.1 x p95 of the shared "
-                        "rows, rounded up to 128)")),
-        "memory": PeakMemory(args.device).method,
-        "timing": f"{elapsed:.0f} s; steps timed by {args.clock} clock ({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); torch {torch.__version__}; collation (layout/packing) is not in the step time",
-    }
-    out = Path(args.out)
-    md = markdown_report(results, meta)
-    atomic_write_text(str(out / "bench.md"), md)
-    atomic_write_text(str(out / "bench.json"), to_json(results, meta))
-    plot_results(results, out / "bench.png")
-    print(md)
-    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
-    return 0
+    return run_pair_bench(args, threads=threads)

@@ -86,7 +86,7 @@ def register(subparsers) -> None:
 
 
 def _shape(model_config: str | None):
-    from prefixdpo.bench.flops import LLAMA_3_1_8B, ModelShape
+    from prefixdpo.tools.bench.flops import LLAMA_3_1_8B, ModelShape
 
     if model_config is None:
         return LLAMA_3_1_8B, "Llama-3.1-8B"
@@ -126,7 +126,7 @@ def run(args) -> int:
     grouped, _ = group_by_prompt(prepared.examples)  # what --group_by_prompt would run, reported apart
     speedup = grouped_speedup = None
     if shape is not None:
-        from prefixdpo.bench.flops import ideal_speedup
+        from prefixdpo.tools.bench.flops import ideal_speedup
 
         speedup = ideal_speedup(shape, prepared.examples)
         grouped_speedup = ideal_speedup(shape, prepared.examples, shared_rows=grouped)
@@ -137,7 +137,8 @@ def run(args) -> int:
     if shape is not None:
         print(_activation_report(prepared.examples, shape, model_name, args.max_tokens_per_pass))
     if args.show_mask:
-        print(f"attention mask of one packed line written to {_draw_first_line(prepared.examples, stats.pack_length, args.show_mask)}")
+        drawn = _draw_first_line(prepared.examples, stats.pack_length, args.show_mask)
+        print(f"attention mask of one packed line written to {drawn}")
         if stats.trie_tokens < stats.shared_tokens:
             drawn = _draw_first_tree_line(prepared.examples, stats.pack_length, args.show_mask)
             print(f"attention mask of one token-trie line written to {drawn}")
@@ -179,7 +180,7 @@ def _with_trie(stats, examples, grouped, shape):
     lines = [[examples[i] for i in line] for line in plan_tree_lines(examples, stats.pack_length).lines]
     speedup = None
     if shape is not None:
-        from prefixdpo.bench.flops import standard_flops, trie_flop_count
+        from prefixdpo.tools.bench.flops import standard_flops, trie_flop_count
 
         speedup = (sum(standard_flops(shape, ex) for ex in examples)
                    / sum(trie_flop_count(shape, line).total for line in lines))

@@ -15,12 +15,8 @@ here: the score head trains fully); QLoRA adds `--load_in_4bit` (CUDA + bitsandb
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-
+from prefixdpo.commands.recipe import Inputs, PreferenceRecipe, ScriptSetup, format_metric
 from prefixdpo.commands.train import DEMO_DEFAULTS as TRAIN_DEMO_DEFAULTS
-from prefixdpo.commands.train import NO_HELD_OUT, format_metric, print_group_reports, script_setup
 
 # For the embedded default's random-init model (each only where neither the YAML file nor the command line
 # sets it). A reward model must carry the rule to one token (the score is read at the response's last token),
@@ -33,95 +29,55 @@ DEMO_DEFAULTS: dict[str, str] = {
     "num_train_epochs": "2",
 }
 
-USAGE = "prefixdpo reward [config.yaml] [--model NAME_OR_PATH] [--dataset NAME_OR_PATH] [--output-dir DIR] [--OPTION VALUE ...]"
+
+class RewardRecipe(PreferenceRecipe):
+    """`prefixdpo reward`: `PrefixRewardTrainer` on preference pairs (see the module doc)."""
+
+    def load(self, setup: ScriptSetup, default) -> Inputs:
+        """The reward model (a new score head where the checkpoint is a causal LM, seeded), its tokenizer, and the
+        training and held-out examples."""
+        from prefixdpo.reward.config import reward_data_options
+        from prefixdpo.reward.data import reward_examples
+        from prefixdpo.reward.model import load_reward_model
+
+        config, data_args = setup.config, setup.data_args
+        name = setup.model_args.model_name_or_path or str(default.model_dir)
+        tokenizer = self.load_tokenizer(setup, name)
+        model = load_reward_model(name, model_init_kwargs=setup.load_kwargs, seed=config.seed)
+        options = reward_data_options(config, data_args)
+        source = self.default_data(options, default) if data_args.dataset_name is None else data_args.dataset_name
+        reports: dict = {}
+        train = reward_examples(source, tokenizer, options, "train", reports)
+        print(f"Train data: {reports['train'].summary()}")
+        held_out = None
+        if options.eval_split is not None:
+            options.split = options.eval_split
+            held_out = reward_examples(source, tokenizer, options, "eval", reports)
+            print(f"Held-out data: {reports['eval'].summary()}")
+        return Inputs(name, model, tokenizer, train, held_out)
+
+    def data_size(self, setup: ScriptSetup, inputs: Inputs) -> str:
+        return f"{len(inputs.train)} training examples"
+
+    def make_trainer(self, setup: ScriptSetup, inputs: Inputs):
+        from prefixdpo.reward.trainer import PrefixRewardTrainer
+
+        # TRL's own PEFT config (task SEQ_CLS: the score head trains fully)
+        return PrefixRewardTrainer(model=inputs.model, args=setup.config, train_dataset=inputs.train,
+                                   eval_dataset=inputs.held_out, processing_class=inputs.tokenizer,
+                                   peft_config=setup.peft_config)
+
+    def held_out_line(self, metrics: dict, inputs: Inputs) -> str:
+        return (f"Held-out pairwise accuracy (eval_accuracy): {format_metric(metrics.get('eval_accuracy'))} on "
+                f"{sum(len(ex.pairs) for ex in inputs.held_out)} pairs; "
+                f"eval_loss {format_metric(metrics.get('eval_loss'))}; "
+                f"eval_margin {format_metric(metrics.get('eval_margin'))}")
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "reward", add_help=False, usage=USAGE,
-        help="reward-model (Bradley-Terry) training with prefix sharing (no arguments: the embedded demo)",
-    )
-    p.set_defaults(func=run, pass_through=True)
-
-
-def _parser_kwargs() -> dict:
-    from prefixdpo.commands.train import HelpFormatter
-
-    return {"prog": "prefixdpo reward", "usage": USAGE, "description": __doc__, "formatter_class": HelpFormatter}
-
-
-def parse_reward_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
-    """`prefixdpo reward`'s options: (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)."""
-    from prefixdpo.option_parser import parse_options
-    from prefixdpo.reward.config import REWARD_OPTIONS
-
-    return parse_options(REWARD_OPTIONS, argv, demo_defaults=demo_defaults, **_parser_kwargs())
-
-
-def run(args) -> int:
-    from prefixdpo.reward.config import REWARD_OPTIONS, reward_data_options
-
-    setup = script_setup(list(getattr(args, "extra_argv", [])), REWARD_OPTIONS, _parser_kwargs(),
-                         parse=lambda argv: parse_reward_args(argv, demo_defaults=DEMO_DEFAULTS))
-    if setup is None:
-        return 0
-    config, model_args, data_args = setup.config, setup.model_args, setup.data_args
-    # TRL's own PEFT (task SEQ_CLS: the score head trains fully) and quantization configs
-    peft_config, load_kwargs = setup.peft_config, setup.load_kwargs
-
-    from prefixdpo.core.models import load_tokenizer
-    from prefixdpo.reward.data import reward_examples
-    from prefixdpo.reward.model import load_reward_model
-    from prefixdpo.reward.trainer import PrefixRewardTrainer
-
-    start = time.time()
-    demo = None
-    if model_args.model_name_or_path is None or data_args.dataset_name is None:
-        from prefixdpo.demo import build_demo_for_run
-
-        demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
-        print(f"Embedded default built in {demo.model_dir.parent}.")
-    name = model_args.model_name_or_path or str(demo.model_dir)
-    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
-                               revision=load_kwargs.get("revision"))
-    model = load_reward_model(name, model_init_kwargs=load_kwargs, seed=config.seed)
-
-    options = reward_data_options(config, data_args)
-    source = data_args.dataset_name
-    if source is None:
-        options.split, options.eval_split = "train", "test"
-        source = {"train": str(demo.train_file), "test": str(demo.eval_file)}
-    reports: dict = {}
-    train = reward_examples(source, tokenizer, options, "train", reports)
-    print(f"Train data: {reports['train'].summary()}")
-    held_out = None
-    if options.eval_split is not None:
-        options.split = options.eval_split
-        held_out = reward_examples(source, tokenizer, options, "eval", reports)
-        print(f"Held-out data: {reports['eval'].summary()}")
-
-    params = sum(p.numel() for p in model.parameters())
-    print(f"Reward model: {name} ({type(model).__name__}, {params / 1e6:.2f}M parameters); {len(train)} training "
-          f"examples; output: {config.output_dir}", flush=True)
-    trainer = PrefixRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=held_out,
-                                  processing_class=tokenizer, peft_config=peft_config)
-    if data_args.ignore_bias_buffers:
-        from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
-
-        ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's scripts
-    print_group_reports(trainer)
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    trainer.save_model(config.output_dir)
-    print()
-    print(f"Engine: {trainer.engine_description}")
-    if held_out:
-        metrics = trainer.evaluate()
-        print(f"Held-out pairwise accuracy (eval_accuracy): {format_metric(metrics.get('eval_accuracy'))} on "
-              f"{sum(len(ex.pairs) for ex in held_out)} pairs; "
-              f"eval_loss {format_metric(metrics.get('eval_loss'))}; eval_margin {format_metric(metrics.get('eval_margin'))}")
-    else:
-        logged = [h for h in trainer.state.log_history if "accuracy" in h]
-        print(f"{NO_HELD_OUT}; last training accuracy: {format_metric(logged[-1]['accuracy'] if logged else None)}")
-    print(f"Reward model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
-    sys.stdout.flush()
-    return 0
+RECIPE = RewardRecipe("reward", "reward-model (Bradley-Terry) training with prefix sharing (no arguments: the embedded "
+                      "demo)", description=__doc__, demo_defaults=DEMO_DEFAULTS,
+                      options_at=("prefixdpo.reward.config", "REWARD_OPTIONS"), train_metric=("accuracy", "accuracy"),
+                      saved="Reward model")
+# (argv, demo_defaults=None) -> (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)
+parse_reward_args = RECIPE.parse
+register, run = RECIPE.register, RECIPE.run

@@ -1,12 +1,11 @@
-"""`prefixdpo rloo ...`: RLOO (TRL 1.16's `RLOOTrainer`) with prefix sharing; the same options and embedded
-default as `prefixdpo grpo` (see `commands/grpo.py`), with TRL's `RLOOConfig` fields."""
+"""`prefixdpo rloo`: RLOO (TRL 1.16's `RLOOTrainer`) with prefix sharing: the group recipe of `prefixdpo grpo`
+(`commands.grpo.GroupRecipe`: the same options, embedded default and report) over TRL's `RLOOConfig` fields, its
+help in RLOO's words."""
 
 from __future__ import annotations
 
-from prefixdpo.commands.grpo import _usage, run
+from prefixdpo.commands.grpo import GroupRecipe
 
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("rloo", add_help=False, usage=_usage("rloo"),
-                              help="RLOO with prefix sharing (TRL's RLOOTrainer; no arguments: the embedded demo)")
-    p.set_defaults(func=run, pass_through=True, group_method="rloo")
+RECIPE = GroupRecipe("rloo", "RLOO with prefix sharing (TRL's RLOOTrainer; no arguments: the embedded demo)",
+                     trainer_name="PrefixRLOOTrainer", config_name="PrefixRLOOConfig")
+register, run = RECIPE.register, RECIPE.run

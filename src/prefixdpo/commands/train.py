@@ -1,6 +1,6 @@
 """`prefixdpo train [config.yaml] [--model M] [--dataset D] [--output-dir DIR] [--any-config-option V ...]`.
 
-Without `--model` the model is the embedded default (a small Llama built locally, `prefixdpo.demo`);
+Without `--model` the model is the embedded default (a small Llama built locally, `prefixdpo.tools.demo`);
 without `--dataset` the data is the default's generated preference set. With neither, the run uses
 hyper-parameters suited to that random-init model (any of them can still be overridden); this is what
 `make demo` runs. Every other option is a `PrefixDPOConfig` / `DPOModelArguments` / `DataArguments` field
@@ -14,14 +14,7 @@ TRL's `--lora_*` options (`--lora_r` alone changes nothing, as in TRL: a warning
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
+from prefixdpo.commands.recipe import Inputs, PreferenceRecipe, ScriptSetup, format_metric
 from prefixdpo.errors import UserError
 
 # Hyper-parameters for the embedded default's random-init model; each applies only when neither the
@@ -45,158 +38,69 @@ DEMO_DEFAULTS: dict[str, str] = {
     "bf16": "false",
 }
 
-NO_HELD_OUT = "No held-out split (set --eval_strategy steps or epoch to evaluate on --dataset_test_split, as TRL)"
 
-USAGE = "prefixdpo train [config.yaml] [--model NAME_OR_PATH] [--dataset NAME_OR_PATH] [--output-dir DIR] [--OPTION VALUE ...]"
+class TrainRecipe(PreferenceRecipe):
+    """`prefixdpo train`: `PrefixDPOTrainer` on preference pairs (see the module doc)."""
 
+    def parse_run(self, argv: list[str]) -> tuple:
+        return parse_train_args(argv, demo_defaults=self.demo_defaults)  # the module's function, which tests replace
 
-def register(subparsers) -> None:
-    # No options declared here: `prefixdpo.cli` hands every argument after `train` to us unparsed
-    # (`pass_through`), and `parse_train_args` knows the hundred-odd config options.
-    p = subparsers.add_parser(
-        "train", add_help=False, usage=USAGE,
-        help="DPO-family training with prefix sharing (no arguments: the embedded demo)",
-    )
-    p.set_defaults(func=run, pass_through=True)
+    def default_line(self, setup: ScriptSetup, demo) -> str:
+        parts = [part for part, missing in (("model", setup.model_args.model_name_or_path is None),
+                                            ("data", setup.data_args.dataset_name is None)) if missing]
+        return f"Embedded default built in {demo.model_dir.parent} ({' and '.join(parts)})."
 
+    def load(self, setup: ScriptSetup, default) -> Inputs:
+        """The policy (and a reference model where one is named, loaded as the policy is, as TRL builds its
+        reference), its tokenizer, and the prepared pairs."""
+        from prefixdpo.core.models import load_causal_lm
+        from prefixdpo.data.prepare import prepare_examples
+        from prefixdpo.dpo.config import data_options
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Option defaults shown, the description printed as written."""
+        config, model_args, data_args = setup.config, setup.model_args, setup.data_args
+        if model_args.model_name_or_path is None:
+            model_args.model_name_or_path = str(default.model_dir)
+        name = model_args.model_name_or_path
+        tokenizer = self.load_tokenizer(setup, name)
+        model = load_causal_lm(name, model_init_kwargs=setup.load_kwargs)
+        ref_model = None
+        if model_args.ref_model_name_or_path is not None:
+            ref_model = load_causal_lm(model_args.ref_model_name_or_path, model_init_kwargs=setup.load_kwargs)
+        options = data_options(config, data_args)
+        source = self.default_data(options, default) if data_args.dataset_name is None else data_args.dataset_name
+        prepared = prepare_examples(source, tokenizer, options)
+        print(f"Train data: {prepared.report.summary()}")
+        if prepared.eval_report is not None:
+            print(f"Held-out data: {prepared.eval_report.summary()}")
+        if not prepared.examples:
+            raise UserError(f"no usable training examples ({prepared.report.summary()})")
+        return Inputs(name, model, tokenizer, prepared.examples, prepared.eval_examples or None, extra=ref_model)
 
+    def data_size(self, setup: ScriptSetup, inputs: Inputs) -> str:
+        return f"{len(inputs.train)} training pairs"
 
-PARSER_KWARGS = {"prog": "prefixdpo train", "usage": USAGE, "description": __doc__,
-                 "formatter_class": HelpFormatter}
+    def make_trainer(self, setup: ScriptSetup, inputs: Inputs):
+        from prefixdpo.dpo.trainer import PrefixDPOTrainer
 
+        return PrefixDPOTrainer(model=inputs.model, ref_model=inputs.extra, args=setup.config,
+                                train_dataset=inputs.train, eval_dataset=inputs.held_out,
+                                processing_class=inputs.tokenizer, peft_config=setup.peft_config)
 
-def format_metric(value) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+    def report_data(self, trainer) -> None:
+        if trainer.train_tree_plan is not None:
+            print(f"Train data: {trainer.train_tree_plan.summary()}")
 
-
-@dataclass
-class ScriptSetup:
-    """What a training command parsed from its arguments: its three option dataclasses, and TRL's PEFT config and
-    `from_pretrained` keyword arguments built from the model options (refused in one line where unusable)."""
-
-    config: Any
-    model_args: Any
-    data_args: Any
-    peft_config: Any
-    load_kwargs: dict
-
-
-def script_setup(argv: list[str], option_types, parser_kwargs: dict, parse: Callable[[list[str]], tuple]
-                 ) -> ScriptSetup | None:
-    """A training command's `[config.yaml] [--X v]` parsed by `parse` into its `option_types`; None after printing
-    `--help`. Options without effect are stated (TRL's) or refused (ours) here, before any work."""
-    from prefixdpo.option_parser import OptionParser
-    from prefixdpo.training.options import script_options_without_effect, state_options_without_effect
-
-    if any(a in ("-h", "--help") for a in argv):
-        OptionParser(option_types, **parser_kwargs).print_help()
-        return None
-    config, model_args, data_args = parse(argv)
-    state_options_without_effect(script_options_without_effect(config, data_args)
-                                 + model_args.options_without_effect_in(config))
-    return ScriptSetup(config, model_args, data_args, peft_config=model_args.peft_config(),
-                       load_kwargs=model_args.from_pretrained_kwargs(config.model_init_kwargs,
-                                                                     config.trust_remote_code,
-                                                                     config.local_process_index))
-
-
-def print_group_reports(trainer) -> None:
-    """One line per dataset the trainer grouped by prompt (`--group_by_prompt true`)."""
-    for name, report in trainer.group_reports.items():
-        print(f"{'Train' if name == 'train' else 'Held-out'} data: {report.summary()}")
+    def held_out_line(self, metrics: dict, inputs: Inputs) -> str:
+        return (f"Held-out reward accuracy (eval_rewards/accuracies): "
+                f"{format_metric(metrics.get('eval_rewards/accuracies'))} on {len(inputs.held_out)} pairs; "
+                f"eval_loss {format_metric(metrics.get('eval_loss'))}")
 
 
-def parse_train_args(argv: list[str], demo_defaults: dict[str, str] | None = None) -> tuple:
-    """`prefixdpo train`'s options: (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`."""
-    from prefixdpo.dpo.config import DPO_OPTIONS
-    from prefixdpo.option_parser import parse_options
-
-    return parse_options(DPO_OPTIONS, argv, demo_defaults=demo_defaults, **PARSER_KWARGS)
-
-
-def run(args) -> int:
-    from prefixdpo.dpo.config import DPO_OPTIONS, data_options
-
-    setup = script_setup(list(getattr(args, "extra_argv", [])), DPO_OPTIONS, PARSER_KWARGS,
-                         parse=lambda argv: parse_train_args(argv, demo_defaults=DEMO_DEFAULTS))
-    if setup is None:
-        return 0
-    config, model_args, data_args = setup.config, setup.model_args, setup.data_args
-    peft_config, load_kwargs = setup.peft_config, setup.load_kwargs  # TRL's own PEFT and quantization configs
-    demo_model = model_args.model_name_or_path is None
-    demo_data = data_args.dataset_name is None
-
-    from prefixdpo.data.prepare import prepare_examples
-    from prefixdpo.core.models import load_causal_lm, load_tokenizer
-    from prefixdpo.dpo.trainer import PrefixDPOTrainer
-
-    start = time.time()
-    demo = None
-    if demo_model or demo_data:
-        from prefixdpo.demo import build_demo_for_run
-
-        demo = build_demo_for_run(os.path.join(config.output_dir, "demo-base"), config)
-        print(f"Embedded default built in {demo.model_dir.parent} "
-              f"({'model' if demo_model else ''}{' and ' if demo_model and demo_data else ''}{'data' if demo_data else ''}).")
-    if demo_model:
-        model_args.model_name_or_path = str(demo.model_dir)
-    name = model_args.model_name_or_path
-    tokenizer = load_tokenizer(name, trust_remote_code=config.trust_remote_code,
-                               revision=load_kwargs.get("revision"))
-    model = load_causal_lm(name, model_init_kwargs=load_kwargs)
-    ref_model = None
-    if model_args.ref_model_name_or_path is not None:  # loaded as the model is, as TRL builds its reference
-        ref_model = load_causal_lm(model_args.ref_model_name_or_path, model_init_kwargs=load_kwargs)
-
-    options = data_options(config, data_args)
-    if demo_data:
-        options.split, options.eval_split = "train", "test"
-        source = {"train": str(demo.train_file), "test": str(demo.eval_file)}
-    else:
-        source = data_args.dataset_name
-    prepared = prepare_examples(source, tokenizer, options)
-    print(f"Train data: {prepared.report.summary()}")
-    if prepared.eval_report is not None:
-        print(f"Held-out data: {prepared.eval_report.summary()}")
-    if not prepared.examples:
-        raise UserError(f"no usable training examples ({prepared.report.summary()})")
-
-    params = sum(p.numel() for p in model.parameters())
-    print(f"Model: {model_args.model_name_or_path} ({type(model).__name__}, {params / 1e6:.2f}M parameters); "
-          f"{len(prepared.examples)} training pairs; output: {config.output_dir}", flush=True)
-    trainer = PrefixDPOTrainer(
-        model=model,
-        ref_model=ref_model,
-        args=config,
-        train_dataset=prepared.examples,
-        eval_dataset=prepared.eval_examples or None,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    if data_args.ignore_bias_buffers:
-        from prefixdpo.training.model_setup import ignore_bool_buffers_in_ddp
-
-        ignore_bool_buffers_in_ddp(trainer.model)  # before `train` wraps the model in DDP, as TRL's script
-    print_group_reports(trainer)
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    trainer.save_model(config.output_dir)
-
-    print()
-    print(f"Engine: {trainer.engine_description}")
-    if trainer._train_micro is not None and trainer._train_micro.tree_plan is not None:
-        print(f"Train data: {trainer._train_micro.tree_plan.summary()}")
-    if prepared.eval_examples:
-        metrics = trainer.evaluate()
-        accuracy = metrics.get("eval_rewards/accuracies")
-        print(f"Held-out reward accuracy (eval_rewards/accuracies): {format_metric(accuracy)} "
-              f"on {len(prepared.eval_examples)} pairs; eval_loss {format_metric(metrics.get('eval_loss'))}")
-    else:
-        logged = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
-        last = logged[-1]["rewards/accuracies"] if logged else None
-        print(f"{NO_HELD_OUT}; last training reward accuracy: {format_metric(last)}")
-    print(f"Model saved to {os.path.abspath(config.output_dir)} ({time.time() - start:.0f} s)")
-    sys.stdout.flush()
-    return 0
+RECIPE = TrainRecipe("train", "DPO-family training with prefix sharing (no arguments: the embedded demo)",
+                     description=__doc__, demo_defaults=DEMO_DEFAULTS,
+                     options_at=("prefixdpo.dpo.config", "DPO_OPTIONS"),
+                     train_metric=("rewards/accuracies", "reward accuracy"))
+PARSER_KWARGS = RECIPE.parser_kwargs()
+# (argv, demo_defaults=None) -> (PrefixDPOConfig, DPOModelArguments, DataArguments) from `[config.yaml] [--X v]`
+parse_train_args = RECIPE.parse
+register, run = RECIPE.register, RECIPE.run

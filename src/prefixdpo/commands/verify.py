@@ -27,7 +27,8 @@ DEFAULT_RESPONSES = [
 DEFAULT_SYSTEM_PROMPT = "System: you are a careful assistant. Answer briefly and truthfully.\n"
 TREE_CASE = "trie (system prompt + shared prompts)"
 
-# prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch (tested equal)
+# prefixdpo.core.attention.backends.BACKENDS, spelled out so that building the command line imports no torch
+# (tested equal)
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
 
 
@@ -139,32 +140,30 @@ def resolve_attention(attention: str, device: str) -> str:
         raise UserError(f"--attention {attention}: {err}") from None
 
 
-def run(args) -> int:
-    import torch
-
-    backend = resolve_attention(args.attention, args.device)  # refused before any model is loaded
-    dtype = getattr(torch, args.dtype)
+def _tolerances(args) -> tuple[float, float]:
+    """(log-prob or score, gradient) tolerance: the dtype's (`core.verify.DTYPE_TOLERANCES`) unless given."""
     from prefixdpo.core.verify import DTYPE_TOLERANCES
 
     logp_tol, grad_tol = DTYPE_TOLERANCES[args.dtype]
-    logp_tol = args.logp_tol if args.logp_tol is not None else logp_tol
-    grad_tol = args.grad_tol if args.grad_tol is not None else grad_tol
-    if args.task == "grpo":
-        try:
-            from prefixdpo.commands.verify_grpo import run_verify_command
-        except ModuleNotFoundError as err:
-            if err.name != "trl":
-                raise
-            raise UserError("--task grpo compares against TRL's GRPOTrainer: install trl (1.16)") from None
-        return run_verify_command(args, backend=backend, dtype=dtype, logp_tol=logp_tol, grad_tol=grad_tol)
-    if args.model is None:
-        raise UserError(f"--task {args.task} needs --model (only --task grpo has an embedded default)")
+    return (args.logp_tol if args.logp_tol is not None else logp_tol,
+            args.grad_tol if args.grad_tol is not None else grad_tol)
 
-    from prefixdpo.core.fit import check_positions
-    from prefixdpo.core.logprobs import UnsupportedModelError
-    from prefixdpo.core.model_checks import check_model_supported
+
+def _run_grpo(args, backend: str, dtype, logp_tol: float, grad_tol: float) -> int:
+    try:
+        from prefixdpo.commands.verify_grpo import run_verify_command
+    except ModuleNotFoundError as err:
+        if err.name != "trl":
+            raise
+        raise UserError("--task grpo compares against TRL's GRPOTrainer: install trl (1.16)") from None
+    return run_verify_command(args, backend=backend, dtype=dtype, logp_tol=logp_tol, grad_tol=grad_tol)
+
+
+def _load(args, dtype):
+    """(model in eval mode on --device, tokenizer, the quantity compared, the comparison): a causal LM and
+    `core.verify.compare`, or (--task reward) a one-label sequence classifier and `reward.verify.compare_scores`."""
     from prefixdpo.core.models import load_causal_lm, load_tokenizer
-    from prefixdpo.core.verify import compare, stock_implementation
+    from prefixdpo.core.verify import compare
 
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     quantity, compare_fn = "logp", compare
@@ -179,11 +178,18 @@ def run(args) -> int:
     else:
         model = load_causal_lm(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(args.device)
     model.train(False)  # dropout off: both sides must compute the same function
-    examples = _examples(tokenizer, args.text_file)
-    check_positions(model, examples, args.text_file or "built-in")  # a line over the model's positions: one line
+    return model, tokenizer, quantity, compare_fn
+
+
+def _cases(model, tokenizer, text_file: str | None) -> list[tuple]:
+    """(name, examples, packs, prefix_sharing, tree) of every case; a line over the model's positions is refused
+    in one line."""
+    from prefixdpo.core.fit import check_positions
+
+    examples = _examples(tokenizer, text_file)
+    check_positions(model, examples, text_file or "built-in")
     n = len(examples)
-    pad_multiple = 128 if backend == "flex" else 1
-    cases = [  # (name, examples, packs, prefix_sharing, tree)
+    cases = [
         ("unpacked (one row per example)", examples, None, True, False),
         ("packed (all examples in one row)", examples, [list(range(n))], True, False),
         ("packed (two rows, with padding)", examples,
@@ -191,28 +197,45 @@ def run(args) -> int:
         ("standard sequences packed, no sharing", examples, [list(range(n))], False, False),
     ]
     records = _tree_examples(tokenizer, examples)
-    check_positions(model, records, args.text_file or "built-in")
-    cases.append((TREE_CASE, records, None, True, True))
-    arch = type(model).__name__
+    check_positions(model, records, text_file or "built-in")
+    return cases + [(TREE_CASE, records, None, True, True)]
+
+
+def run(args) -> int:
+    import torch
+
+    backend = resolve_attention(args.attention, args.device)  # refused before any model is loaded
+    dtype = getattr(torch, args.dtype)
+    logp_tol, grad_tol = _tolerances(args)
+    if args.task == "grpo":
+        return _run_grpo(args, backend, dtype, logp_tol, grad_tol)
+    if args.model is None:
+        raise UserError(f"--task {args.task} needs --model (only --task grpo has an embedded default)")
+
+    from prefixdpo.core.logprobs import UnsupportedModelError
+    from prefixdpo.core.model_checks import check_model_supported
+    from prefixdpo.core.verify import stock_implementation
+
+    model, tokenizer, quantity, compare_fn = _load(args, dtype)
+    cases = _cases(model, tokenizer, args.text_file)
+    examples = cases[0][1]
     try:
         check_model_supported(model, backend)
     except UnsupportedModelError as err:  # one line naming the feature
         hint = "" if args.device.startswith("cuda") else "; verify it with --device cuda --attention flex"
         print(f"prefixdpo verify: error: {err}{hint}", file=sys.stderr)
         return 2
-    label = attention_label(args.attention, backend)
-    print(f"prefixdpo verify: {arch} ({args.model}), {args.dtype}, attention={label}, "
-          f"{n} examples, K = {sorted({e.num_responses for e in examples})}; "
-          f"stock passes: {stock_implementation(model)} attention")
+    print(f"prefixdpo verify: {type(model).__name__} ({args.model}), {args.dtype}, "
+          f"attention={attention_label(args.attention, backend)}, {len(examples)} examples, "
+          f"K = {sorted({e.num_responses for e in examples})}; stock passes: {stock_implementation(model)} attention")
     print(f"tolerances: {quantity} |ours - separate| <= {logp_tol:g} x max(1, largest |{quantity}|); "
           f"gradient <= {grad_tol:g} x max(1, largest gradient entry)")
     print(f"{'case':38} {f'max |d{quantity}|':>12} {'max |dgrad|':>12}  result")
     failed = False
     for name, case_examples, packs, sharing, tree in cases:
-        result = compare_fn(
-            model, case_examples, packs=packs, backend=backend, case=name, pad_multiple=pad_multiple,
-            restart_positions=not args.no_restart_positions, prefix_sharing=sharing, tree=tree,
-        )
+        result = compare_fn(model, case_examples, packs=packs, backend=backend, case=name,
+                            pad_multiple=128 if backend == "flex" else 1,
+                            restart_positions=not args.no_restart_positions, prefix_sharing=sharing, tree=tree)
         ok = result.ok(logp_tol, grad_tol)
         failed |= not ok
         grad = "n/a" if result.grad_diff is None else f"{result.grad_diff:.3e}"

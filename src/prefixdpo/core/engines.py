@@ -10,29 +10,45 @@ and gradient clipping), and the tests exercise it here.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from prefixdpo.errors import ConfigError
 
 
-def fsdp_requested(args) -> bool:
-    """Whether the training arguments ask for FSDP (`--fsdp ...`). (`accelerate launch` with an FSDP config
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine code reads of a run's options, built once from its config (`training.settings`).
+
+    fsdp_plugin_args:     the FSDP plugin arguments Trainer made of `fsdp` / `fsdp_config`; None: no FSDP asked
+    whole_weight_options: the run's options, set, that read every weight whole (a method's: refused under ZeRO-3)
+    prefix_reuse:         the run's passes follow each rank's own data (`core.prefix_reuse`: refused when sharded)
+    """
+
+    fsdp_plugin_args: Mapping | None = None
+    whole_weight_options: tuple[str, ...] = ()
+    prefix_reuse: bool = False
+
+
+def fsdp_requested(settings: EngineSettings) -> bool:
+    """Whether the training options ask for FSDP (`--fsdp ...`). (`accelerate launch` with an FSDP config
     is accelerate's to apply: on GPUs it does; on CPU its launcher runs one process without FSDP. Its
     `ACCELERATE_USE_FSDP` variable cannot tell: accelerate also sets it in-process for any FSDP plugin.)"""
-    return getattr(args, "fsdp_plugin_args", None) is not None
+    return settings.fsdp_plugin_args is not None
 
 
-def enable_requested_fsdp(trainer) -> None:
-    """After `Trainer.create_accelerator_and_postprocess`: make sure a requested FSDP is on, or refuse.
+def enable_requested_fsdp(accelerator, settings: EngineSettings) -> bool:
+    """After `Trainer.create_accelerator_and_postprocess`: make sure a requested FSDP is on, or refuse; returns
+    whether FSDP is on (Trainer's `is_fsdp_enabled`).
 
     Where accelerate already enabled it (GPUs), nothing changes. On CPU with several processes, the
     plugin Trainer built from `fsdp`/`fsdp_config` is installed as accelerate would install it on a GPU.
     """
-    args = trainer.args
-    if not fsdp_requested(args) or trainer.is_fsdp_enabled:
-        return
+    state = accelerator.state
+    if not fsdp_requested(settings) or getattr(state, "fsdp_plugin", None) is not None:
+        return getattr(state, "fsdp_plugin", None) is not None
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    state = trainer.accelerator.state
     if state.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError("fsdp and deepspeed are both set: choose one engine")
     if state.distributed_type != DistributedType.MULTI_CPU:
@@ -40,7 +56,7 @@ def enable_requested_fsdp(trainer) -> None:
             f"fsdp was requested but this run is {state.distributed_type.value} with {state.num_processes} "
             "process(es): launch it with several processes (torchrun --nproc_per_node N, or accelerate launch)"
         )
-    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    plugin = FullyShardedDataParallelPlugin(**settings.fsdp_plugin_args)
     if plugin.fsdp_version != 2:
         raise ConfigError("fsdp on CPU needs FSDP2: set fsdp_config version 2 (FSDP1 is deprecated)")
     # as accelerate does on a GPU: AcceleratorState re-reads PartialState's shared type on every construction
@@ -49,44 +65,46 @@ def enable_requested_fsdp(trainer) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
-    trainer.is_fsdp_enabled = True
+    return True
 
 
-def refuse_prefix_reuse_on_sharded_engines(trainer) -> None:
+def refuse_prefix_reuse_on_sharded_engines(accelerator, settings: EngineSettings) -> None:
     """ConfigError for prefix reuse under FSDP2 or ZeRO-3: they gather each layer's weights at each of its calls,
     collectively, so every rank must call every layer equally often; prefix reuse runs as many passes (the prefix,
     each chunk, each chunk again in backward) as each rank's own examples need."""
     from prefixdpo.core.engines_deepspeed import zero_stage
 
-    if not getattr(trainer.args, "prefix_reuse", False):
+    if not settings.prefix_reuse:
         return
-    engine = "FSDP2" if trainer.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero_stage(trainer.accelerator) == 3 else None
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None) is not None
+    engine = "FSDP2" if fsdp else "DeepSpeed ZeRO-3" if zero_stage(accelerator) == 3 else None
     if engine is not None:
         raise ConfigError(f"prefix_reuse=true is not supported with {engine} yet: it gathers each layer at each call, "
                           "on every rank together, and prefix reuse makes as many calls as each rank's examples need; "
                           "use DDP or ZeRO-1/2")
 
 
-def refuse_unsupported_engine_options(trainer) -> None:
+def refuse_unsupported_engine_options(accelerator, settings: EngineSettings) -> None:
     """ConfigError for an option the engine would run wrongly: under ZeRO-3 each rank holds only a partition of
-    every weight, which TR-DPO's in-place reference update and a reference table built outside the engine
-    would read as if whole; prefix reuse under a sharded engine (`refuse_prefix_reuse_on_sharded_engines`)."""
+    every weight, which an option in `settings.whole_weight_options` (e.g. DPO's in-place reference update, a
+    reference table built outside the engine) would read as if whole; prefix reuse under a sharded engine
+    (`refuse_prefix_reuse_on_sharded_engines`)."""
     from prefixdpo.core.engines_deepspeed import zero_stage
 
-    refuse_prefix_reuse_on_sharded_engines(trainer)
-    if zero_stage(trainer.accelerator) != 3:
+    refuse_prefix_reuse_on_sharded_engines(accelerator, settings)
+    if zero_stage(accelerator) != 3:
         return
-    for option in ("sync_ref_model", "precompute_ref_log_probs"):
-        if getattr(trainer.args, option, False):
-            raise ConfigError(f"{option}=True is not supported with DeepSpeed ZeRO-3 yet: use ZeRO-2 or FSDP2")
+    if settings.whole_weight_options:
+        option = settings.whole_weight_options[0]
+        raise ConfigError(f"{option}=True is not supported with DeepSpeed ZeRO-3 yet: use ZeRO-2 or FSDP2")
 
 
 @contextlib.contextmanager
-def whole_model_state_dict(trainer):
+def whole_model_state_dict(accelerator):
     """Within: FSDP saves gather the whole model, also where checkpoints are sharded (`SHARDED_STATE_DICT`,
     the fast way to checkpoint). A model the user exports must load with stock `from_pretrained`."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    if not trainer.is_fsdp_enabled or plugin is None or "SHARDED" not in str(plugin.state_dict_type):
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "SHARDED" not in str(plugin.state_dict_type):
         yield
         return
     previous = plugin.state_dict_type
@@ -148,5 +166,6 @@ def local_numel(model) -> int:
     return int(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()))
 
 
-__all__ = ["describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel", "prepare_reference_for_engine",
-           "refuse_unsupported_engine_options", "sharded_parameter_count", "whole_model_state_dict"]
+__all__ = ["EngineSettings", "describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel",
+           "prepare_reference_for_engine", "refuse_unsupported_engine_options", "sharded_parameter_count",
+           "whole_model_state_dict"]

@@ -25,6 +25,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
 
 __all__ = ["DataDoesNotFitError", "position_limit", "check_positions", "mask_bytes", "memory_bound",
-           "check_mask_memory", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
+           "check_mask_memory", "FitSettings", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
            "block_activation_bytes"]
 
 _NO_LIMIT_ROPE = {"dynamic"}  # dynamic NTK scaling stretches itself to any length at run time
@@ -291,39 +292,51 @@ def auto_tokens_per_pass(model, device, itemsize: int) -> int:
 # ---- a trainer's run ----------------------------------------------------------------------------------
 
 
-def _compute_itemsize(model, args) -> int:
+@dataclass(frozen=True)
+class FitSettings:
+    """What the fit check reads of a run, built once from its config (`training.settings.fit_settings`).
+
+    train, eval:    the loader settings of training and evaluation micro-batches (`batch_size`: their lines)
+    backend:        the attention backend every pass runs
+    device:         where the passes run (its memory bounds the mask: `memory_bound`)
+    half_precision: attention computes in bf16/fp16 (autocast), whatever the model's dtype
+    extra_passes:   further passes over every dataset with micro-batches of their own (e.g. a method's no-grad
+                    precompute before training)
+    """
+
+    train: LoaderSettings
+    eval: LoaderSettings
+    backend: str
+    device: Any = "cpu"
+    half_precision: bool = False
+    extra_passes: tuple[Batches, ...] = ()
+
+
+def _compute_itemsize(model, half_precision: bool) -> int:
     """Bytes per element of the dtype attention computes in: half precision under --bf16/--fp16 autocast."""
-    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+    if half_precision:
         return 2
     return torch.finfo(base_model(model).dtype).bits // 8
 
 
-def check_run_fits(model, args, backend: str, train, evals) -> None:
+def check_run_fits(model, settings: FitSettings, train, evals) -> None:
     """Every dataset a trainer will run (train; eval, or a dict of them) against the model's positions and,
-    for the micro-batches of training, evaluation and the reference precompute, the memory of the mask."""
-    from prefixdpo.data.inputs import loader_settings
-
+    for the micro-batches of training, evaluation and any extra pass, the memory of the mask."""
     named = {"train": train, **(dict(evals) if isinstance(evals, Mapping) else {"eval": evals})}
     named = {name: examples for name, examples in named.items() if examples}
     for name, examples in named.items():
         check_positions(model, examples, name)
-        if args.packing:  # a row over an explicit pack_length, refused now rather than when its epoch is planned
-            settings = loader_settings(args, train=name == "train", batch_size=1, pad_token=0, backend=backend)
-            check_rows_fit(examples, [row_length(ex, args.prefix_sharing) for ex in examples],
-                           resolve_pack_length(examples, settings))
-    if backend not in ("sdpa", "segmented"):
+        loader = settings.train if name == "train" else settings.eval
+        if loader.packing:  # a row over an explicit pack_length, refused now rather than when its epoch is planned
+            check_rows_fit(examples, [row_length(ex, loader.prefix_sharing) for ex in examples],
+                           resolve_pack_length(examples, loader))
+    if settings.backend not in ("sdpa", "segmented"):
         return
-    itemsize, bound = _compute_itemsize(model, args), memory_bound(args.device)
-    precompute = getattr(args, "precompute_ref_log_probs", False)
+    itemsize, bound = _compute_itemsize(model, settings.half_precision), memory_bound(settings.device)
     for name, examples in named.items():
-        train_pass = name == "train"
-        size = args.per_device_train_batch_size if train_pass else args.per_device_eval_batch_size
-        option = "per_device_train_batch_size" if train_pass else "per_device_eval_batch_size"
-        settings = loader_settings(args, train=train_pass, batch_size=size, pad_token=0, backend=backend)
-        passes = [Batches.of(settings, "training" if train_pass else "evaluation", option)]
-        if precompute:
-            option = "precompute_ref_batch_size"
-            passes.append(Batches("reference precompute", option, args.precompute_ref_batch_size
-                                  or args.per_device_eval_batch_size))
-        for batches in passes:
-            check_mask_memory(examples, batches, backend=backend, itemsize=itemsize, bound=bound, name=name)
+        if name == "train":
+            passes = [Batches.of(settings.train, "training", "per_device_train_batch_size")]
+        else:
+            passes = [Batches.of(settings.eval, "evaluation", "per_device_eval_batch_size")]
+        for batches in passes + list(settings.extra_passes):
+            check_mask_memory(examples, batches, backend=settings.backend, itemsize=itemsize, bound=bound, name=name)

@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.core.logprobs import ResponseLogps, UnsupportedModelError, check_head, lm_head_fn, response_logps
+from prefixdpo.core.logprobs import (
+    ResponseLogps, TokenStat, UnsupportedModelError, check_head, lm_head_fn, response_logps,
+)
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
 from prefixdpo.core.attention.reuse_plan import PrefixReuse
@@ -108,13 +110,14 @@ def batch_inputs(batch: Batch, attention_mask) -> dict:
 
 
 def compute_response_logps(
-    model, batch: Batch, attention_mask, *, chunk_size: int = 1024, wpo: bool = False, router_aux: bool = False,
+    model, batch: Batch, attention_mask, *, chunk_size: int = 1024, stat: TokenStat | None = None,
+    router_aux: bool = False,
 ) -> ResponseLogps:
     """Per-response log-prob sums and token counts for `batch` (grad follows torch.is_grad_enabled()).
 
     attention_mask: the batch's mask for the run's backend (`backends.batch_attention_mask`), built once per
                     micro-batch by the caller and shared by every pass over it (policy, reference, pre-pass).
-    wpo: also WPO's aligned log-prob sums (`ResponseLogps.wpo_sums`), from the same head pass.
+    stat: a per-token statistic of the same head pass, summed per response (`ResponseLogps.stat_sums`).
     router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
     """
     hf = unwrap(model)
@@ -130,7 +133,7 @@ def compute_response_logps(
         if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
             check_head(head, hidden[:, -1], model_last_logits)
             hf._prefixdpo_head_checked = True
-        result = response_logps(hidden, batch, head, chunk_size, wpo=wpo)
+        result = response_logps(hidden, batch, head, chunk_size, stat=stat)
         if router_aux:
             result.aux_loss = router_aux_loss(model, router_logits, batch)
         if model_last_logits is not None and model_last_logits.requires_grad:

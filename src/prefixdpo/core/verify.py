@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
-from prefixdpo.data.batch import build_batch
+from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.data.example import Example
 from prefixdpo.core.model_checks import base_model, prepare_model, text_config
@@ -97,55 +97,70 @@ class VerifyResult:
         return logp_ok and self.grad_diff <= grad_tol * max(1.0, self.grad_scale)
 
 
-def _grads(model) -> torch.Tensor:
+def gradients(model) -> torch.Tensor:
+    """Every parameter's gradient, flat (those that have one)."""
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def verify_batch(examples: list[Example], *, packs=None, prefix_sharing: bool = True, tree: bool = False,
+                 pad_multiple: int = 1, pad_token_id: int = 0, restart_positions: bool = True) -> Batch:
+    """The layout a check runs `examples` on (see `compare`); restart_positions=False breaks it on purpose."""
+    if tree:
+        batch = build_tree_batch(examples, packs, pad_multiple=pad_multiple, pad_token_id=pad_token_id)
+    else:
+        batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple,
+                            pad_token_id=pad_token_id)
+    if not restart_positions:
+        batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
+    return batch
+
+
+def compare_passes(model, examples: list[Example], separate, ours, loss, *, backend: str = "sdpa", case: str = "",
+                   **layout) -> VerifyResult:
+    """Max abs diff of the per-response values and of a loss's gradients, our layout vs separate stock passes.
+
+    separate(model, examples) -> [R]: the stock passes; ours(model, batch, mask) -> [R]: prefixdpo's pass on the
+    layout (`verify_batch(examples, **layout)`); loss(values [R], batch) -> scalar. Gradients are compared only
+    where the backend has a backward on the model's device (FlexAttention on CPU is forward only): otherwise
+    `grad_diff` is None.
+    """
+    device = next(model.parameters()).device
+    batch = verify_batch(examples, **layout).to(device)
+    with_grad = not (backend == "flex" and device.type == "cpu")
+    backend = resolve_backend(backend, device, needs_grad=with_grad)
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(with_grad):
+        reference = separate(model, examples)
+        prepare_model(model, backend)
+        mine = ours(model, batch, batch_attention_mask(batch, backend))
+    result = VerifyResult(case=case, logp_diff=(mine - reference).detach().abs().max().item(),
+                          logp_scale=reference.detach().abs().max().item(), grad_diff=None, grad_scale=None)
+    if with_grad:
+        grads = []
+        for values in (reference, mine):
+            loss(values, batch).backward()
+            grads.append(gradients(model).clone())
+            model.zero_grad(set_to_none=True)
+        result.grad_diff = (grads[1] - grads[0]).abs().max().item()
+        result.grad_scale = grads[0].abs().max().item()
+    return result
 
 
 def compare(
     model, examples: list[Example], *, packs=None, backend: str = "sdpa", restart_positions: bool = True,
     case: str = "", pad_multiple: int = 1, prefix_sharing: bool = True, tree: bool = False,
 ) -> VerifyResult:
-    """Max abs diff of per-response logps and of DPO-loss gradients, our layout vs separate stock passes.
+    """Max abs diff of per-response logps and of DPO-loss gradients, our layout vs separate stock passes
+    (`compare_passes`).
 
     prefix_sharing=False lays the standard `[prompt][response]` sequences out instead (each its own
     document; with `packs`, an example's sequences share its packed line), as training does without
     prefix sharing. tree=True lays each pack out as one token trie across its examples (`data.tree`, as training's
-    `prefix_tree` does; packs None: all in one line). Gradients are compared only where the backend has a backward
-    on the model's device (FlexAttention on CPU is forward only): otherwise `grad_diff` is None.
-    restart_positions=False deliberately breaks the layout (positions run on through the row): used to
-    show the check catches a wrong setup.
+    `prefix_tree` does; packs None: all in one line). restart_positions=False deliberately breaks the layout
+    (positions run on through the row): used to show the check catches a wrong setup.
     """
-    device = next(model.parameters()).device
-    if tree:
-        batch = build_tree_batch(examples, packs, pad_multiple=pad_multiple)
-    else:
-        batch = build_batch(examples, prefix_sharing=prefix_sharing, packs=packs, pad_multiple=pad_multiple)
-    if not restart_positions:
-        L = batch.input_ids.shape[1]
-        batch.position_ids = torch.arange(L).expand_as(batch.input_ids).clone()
-    batch = batch.to(device)
-    with_grad = not (backend == "flex" and device.type == "cpu")
-    backend = resolve_backend(backend, device, needs_grad=with_grad)
-
-    model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(with_grad):
-        reference = separate_pass_logps(model, examples)
-        prepare_model(model, backend)
-        mask = batch_attention_mask(batch, backend)
-        ours = compute_response_logps(model, batch, mask).sums
-    result = VerifyResult(
-        case=case,
-        logp_diff=(ours.detach() - reference.detach()).abs().max().item(),
-        logp_scale=reference.detach().abs().max().item(),
-        grad_diff=None,
-        grad_scale=None,
-    )
-    if with_grad:
-        dpo_loss(reference, batch.pair_better, batch.pair_worse).backward()
-        reference_grads = _grads(model).clone()
-        model.zero_grad(set_to_none=True)
-        dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
-        result.grad_diff = (_grads(model) - reference_grads).abs().max().item()
-        result.grad_scale = reference_grads.abs().max().item()
-        model.zero_grad(set_to_none=True)
-    return result
+    return compare_passes(
+        model, examples, separate_pass_logps, lambda m, batch, mask: compute_response_logps(m, batch, mask).sums,
+        lambda values, batch: dpo_loss(values, batch.pair_better, batch.pair_worse), backend=backend, case=case,
+        packs=packs, prefix_sharing=prefix_sharing, tree=tree, pad_multiple=pad_multiple,
+        restart_positions=restart_positions)

@@ -1,4 +1,5 @@
-"""What the trainer is given -> what its loaders need: Examples, and the loader settings of a run.
+"""What the trainer is given -> what its loaders need: Examples (the loader settings of a run are built from its
+config in `training.settings`).
 
 A dataset may be a list of `Example`s (used as is), or records / a `datasets.Dataset` / a path, which go
 through the data pipeline (`data.prepare.prepare_examples`) with the tokenizer.
@@ -7,7 +8,6 @@ through the data pipeline (`data.prepare.prepare_examples`) with the tokenizer.
 from __future__ import annotations
 
 from prefixdpo.data.example import Example
-from prefixdpo.data.loader import LoaderSettings
 from prefixdpo.errors import UserError
 
 
@@ -49,19 +49,3 @@ def pad_token_id(tokenizer) -> int:
         if isinstance(value, int):
             return value
     return 0  # any id works: padding is masked out and never a target
-
-
-def loader_settings(args, *, train: bool, batch_size: int, pad_token: int, backend: str) -> LoaderSettings:
-    """The loader settings of a training (shuffled unless `train_sampling_strategy="sequential"`, grouped in
-    optimizer steps) or evaluation (file order) loader."""
-    return LoaderSettings(
-        batch_size=batch_size, prefix_sharing=args.prefix_sharing, packing=args.packing,
-        pack_length=None if str(args.pack_length) == "auto" else int(args.pack_length),
-        pad_token_id=pad_token, pad_multiple=args.pad_to_multiple_of or 1,
-        bucket=backend == "flex",  # compiled flex: few line lengths, few recompiles
-        shuffle=train,
-        sequential=train and args.train_sampling_strategy == "sequential",
-        seed=args.data_seed if args.data_seed is not None else args.seed,
-        grad_accum=args.gradient_accumulation_steps if train else 1,
-        prefix_tree=getattr(args, "prefix_tree", False),
-    )

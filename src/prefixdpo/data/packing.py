@@ -102,18 +102,24 @@ def plan_packs(
         if n > pack_length:
             raise RowTooLongError(f"row {i}: length {n} exceeds pack_length {pack_length}")
 
-    n_rows = len(lengths)
-    arr = np.asarray(lengths, dtype=np.int64)
-    if shuffle:
-        # One generator per (seed, epoch): reproducible, and independent across epochs.
-        rng = np.random.default_rng([int(seed), int(epoch)])
-        tie_break = rng.permutation(n_rows)
-    else:
-        rng = None
-        tie_break = np.arange(n_rows)
-    # lexsort sorts by the last key first: longest rows first, ties by the tie-break rank.
-    order = np.lexsort((tie_break, -arr)).tolist()
+    rng = np.random.default_rng([int(seed), int(epoch)]) if shuffle else None  # reproducible, independent epochs
+    packs = _best_fit(lengths, _longest_first(lengths, rng), pack_length)
+    if rng is not None:
+        perm = rng.permutation(len(packs)).tolist()
+        packs = [packs[p] for p in perm]
+    return packs
 
+
+def _longest_first(lengths: list[int], rng: np.random.Generator | None) -> list[int]:
+    """Row indices, longest first; rows of equal length in `rng`'s random order, or by index without it."""
+    tie_break = rng.permutation(len(lengths)) if rng is not None else np.arange(len(lengths))
+    # lexsort sorts by the last key first: longest rows first, ties by the tie-break rank.
+    return np.lexsort((tie_break, -np.asarray(lengths, dtype=np.int64))).tolist()
+
+
+def _best_fit(lengths: list[int], order: list[int], pack_length: int) -> list[list[int]]:
+    """Rows placed in `order`, each into the open pack with the least room that still fits it, else a new pack
+    (see `plan_packs`). Every length is <= pack_length."""
     packs: list[list[int]] = []
     rooms: list[int] = []  # distinct remaining-room values that have at least one open pack, sorted
     by_room: dict[int, list[int]] = {}  # remaining room -> pack ids with exactly that room (a stack)
@@ -138,10 +144,6 @@ def plan_packs(
                 by_room[left] = []
                 bisect.insort(rooms, left)
             by_room[left].append(pack_id)
-
-    if rng is not None:
-        perm = rng.permutation(len(packs)).tolist()
-        packs = [packs[p] for p in perm]
     return packs
 
 

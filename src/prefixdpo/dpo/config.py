@@ -8,7 +8,7 @@ on, bf16 where the device has it). TRL options that prefix sharing makes moot (`
 accepted and say so in their help. The prefix-sharing options are ours: `prefix_sharing`, `packing`, `pack_length`, `attention`,
 `logprob_chunk_size`, `ref_cache_dir`; so are `nonfinite` and `nonfinite_max_consecutive` (a NaN/inf step).
 
-The command line reads these with `prefixdpo.option_parser.parse_options(DPO_OPTIONS, argv)`.
+The command line reads these with `prefixdpo.commands.options.parse_options(DPO_OPTIONS, argv)`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ from prefixdpo.training.options import (
     DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, changed_options, check_shared_options, eval_split,
     resolve_before_trainer_args, state_options_without_effect,
 )
+
+
+def _loss_option(name: str, help_text: str):
+    """The field of loss option `name`: its default is `LossParams`' (the one place a loss default is written)."""
+    return field(default=getattr(LossParams, name), metadata={"help": help_text})
 
 
 @dataclass
@@ -97,16 +102,12 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
                           "rows never pad inside a line; --packing is prefixdpo's padding-free layout (several "
                           "examples per line, each attending only to itself)."},
     )
-    use_weighting: bool = field(
-        default=False,
-        metadata={"help": "WPO (https://huggingface.co/papers/2406.11827): weight each pair by the policy's "
-                          "length-normalised sequence probabilities, as TRL."},
-    )
-    ld_alpha: float | None = field(
-        default=None,
-        metadata={"help": "LD-DPO alpha in [0, 1]: log-prob tokens of the longer response beyond the shorter one's "
-                          "length are weighted by alpha (1.0: plain DPO; 0.0: masked). Not set: no weighting."},
-    )
+    use_weighting: bool = _loss_option(
+        "use_weighting", "WPO (https://huggingface.co/papers/2406.11827): weight each pair by the policy's "
+                         "length-normalised sequence probabilities, as TRL.")
+    ld_alpha: float | None = _loss_option(
+        "ld_alpha", "LD-DPO alpha in [0, 1]: log-prob tokens of the longer response beyond the shorter one's "
+                    "length are weighted by alpha (1.0: plain DPO; 0.0: masked). Not set: no weighting.")
     activation_offloading: bool = field(
         default=False, metadata={"help": "Offload activations to CPU memory during the forward (CUDA only), as TRL."}
     )
@@ -126,18 +127,18 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
         metadata={"help": "Deprecated in TRL (set tokenizer.pad_token). Accepted, no effect: padding is masked out "
                           "and never a target, so the pad token cannot change a result."},
     )
-    beta: float = field(default=0.1, metadata={"help": "DPO beta (IPO's tau, SimPO's beta)."})
+    beta: float = _loss_option("beta", "DPO beta (IPO's tau, SimPO's beta).")
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
         metadata={"help": f"Loss type(s), combined with loss_weights. One or more of {known_loss_names()}."},
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss_type (default 1 each)."})
-    label_smoothing: float = field(default=0.0, metadata={"help": "cDPO/robust/EXO epsilon."})
-    f_divergence_type: str = field(default="reverse_kl", metadata={"help": "f-DPO divergence."})
-    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "alpha of the alpha-divergence."})
-    discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP temperature."})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin (TRL CPOConfig name)."})
-    orpo_alpha: float = field(default=0.1, metadata={"help": "ORPO lambda weighting the odds-ratio term."})
+    label_smoothing: float = _loss_option("label_smoothing", "cDPO/robust/EXO epsilon.")
+    f_divergence_type: str = _loss_option("f_divergence_type", "f-DPO divergence.")
+    f_alpha_divergence_coef: float = _loss_option("f_alpha_divergence_coef", "alpha of the alpha-divergence.")
+    discopop_tau: float = _loss_option("discopop_tau", "DiscoPOP temperature.")
+    simpo_gamma: float = _loss_option("simpo_gamma", "SimPO target reward margin (TRL CPOConfig name).")
+    orpo_alpha: float = _loss_option("orpo_alpha", "ORPO lambda weighting the odds-ratio term.")
     rpo_alpha: float | None = field(default=None, metadata={"help": "RPO: adds the chosen NLL ('sft') with this weight."})
     max_length: int | None = field(
         default=1024,
@@ -185,7 +186,7 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta}: must be positive")
-        check_loss_options(self.loss_types, self.loss_params())  # f-divergence and WPO defined for these losses
+        check_loss_options(self.loss_types, LossParams.from_config(self))  # f-divergence, WPO defined for them
         refuse_or_state_options_without_effect(self)
 
     # ---- derived ----
@@ -208,18 +209,10 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
     def needs_reference(self) -> bool:
         return needs_reference(self.loss_types)
 
-    def loss_params(self) -> LossParams:
-        return LossParams(
-            beta=self.beta,
-            label_smoothing=self.label_smoothing,
-            simpo_gamma=self.simpo_gamma,
-            orpo_alpha=self.orpo_alpha,
-            discopop_tau=self.discopop_tau,
-            f_divergence_type=self.f_divergence_type,
-            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-            use_weighting=self.use_weighting,
-            ld_alpha=self.ld_alpha,
-        )
+    @property
+    def precompute_batch_size(self) -> int:
+        """Examples per batch of the reference precompute: `precompute_ref_batch_size`, else the eval batch size."""
+        return self.precompute_ref_batch_size or self.per_device_eval_batch_size
 
     def resolved_ref_cache_dir(self) -> str:
         if self.ref_cache_dir:

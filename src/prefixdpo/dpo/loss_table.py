@@ -43,7 +43,6 @@ from prefixdpo.dpo.losses import (
 __all__ = [
     "PairLogps",
     "LossParams",
-    "StepPairs",
     "LossStep",
     "LossRow",
     "LOSS_TABLE",
@@ -69,7 +68,9 @@ __all__ = [
 
 @dataclass
 class PairLogps:
-    """Per-pair log-prob statistics of the pairs one call computes losses for; every tensor is ``[P]``.
+    """Per-pair log-prob statistics of some pairs; every tensor is ``[P]``: the pairs one call computes losses
+    for, or (detached, reference included, nothing else: :meth:`for_step`) every pair of an optimizer step, as
+    the step context reads them (all micro-batches, all ranks; a pair's position is its step index).
 
     ``policy_*``: summed log-probs of each response's tokens (LD-DPO's length-desensitised sums when
     ``ld_alpha`` is set); ``ref_*``: the same under the reference model (``None`` without one);
@@ -88,10 +89,26 @@ class PairLogps:
     def has_reference(self) -> bool:
         return self.ref_chosen_logps is not None and self.ref_rejected_logps is not None
 
+    @property
+    def num_pairs(self) -> int:
+        return self.policy_chosen_logps.numel()
+
+    def for_step(self) -> PairLogps:
+        """The detached policy and reference log-probs of these pairs: what the step context reads of them
+        (rows with ``step_values`` or ``running_mean``)."""
+        if not self.has_reference:
+            raise ValueError("the step's pairs need reference log-probs (ref_chosen_logps and ref_rejected_logps)")
+        return PairLogps(
+            self.policy_chosen_logps.detach(), self.policy_rejected_logps.detach(),
+            self.ref_chosen_logps.detach(), self.ref_rejected_logps.detach(),
+        )  # fmt: skip
+
 
 @dataclass
 class LossParams:
-    """The loss options (TRL's names and defaults); a row lists the ones its loss reads.
+    """The loss options (TRL's names and defaults); a row lists the ones its loss reads. Each default is written
+    here only: `PrefixDPOConfig`'s fields of the same names take theirs from it (``default=LossParams.beta``), and
+    :meth:`from_config` reads the values back by name.
 
     - ``beta``: DPO beta; IPO's tau; SimPO's beta (TRL ``CPOConfig.beta``).
     - ``label_smoothing``: cDPO / robust / EXO epsilon; also AOT's and SimPO's smoothing (as in TRL).
@@ -114,35 +131,12 @@ class LossParams:
     use_weighting: bool = False
     ld_alpha: float | None = None
 
+    @classmethod
+    def from_config(cls, config) -> LossParams:
+        """The loss options of `config` (a `PrefixDPOConfig`, or anything with these fields by name)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 F_DIVERGENCE_OPTIONS = ("f_divergence_type", "f_alpha_divergence_coef")
-
-
-@dataclass(frozen=True)
-class StepPairs:
-    """Detached log-probs of EVERY pair of one optimizer step (all micro-batches, all ranks); each ``[P_step]``.
-
-    A pair's position here is its step index. Only rows with ``step_values`` or ``running_mean`` read them.
-    """
-
-    policy_chosen_logps: Tensor
-    policy_rejected_logps: Tensor
-    ref_chosen_logps: Tensor
-    ref_rejected_logps: Tensor
-
-    @classmethod
-    def of(cls, inputs: PairLogps) -> StepPairs:
-        """The detached values of ``inputs`` (a micro-batch's, or a whole step's in one call)."""
-        if not inputs.has_reference:
-            raise ValueError("StepPairs need reference log-probs (ref_chosen_logps and ref_rejected_logps)")
-        return cls(
-            inputs.policy_chosen_logps.detach(), inputs.policy_rejected_logps.detach(),
-            inputs.ref_chosen_logps.detach(), inputs.ref_rejected_logps.detach(),
-        )  # fmt: skip
-
-    @property
-    def num_pairs(self) -> int:
-        return self.policy_chosen_logps.numel()
 
 
 @dataclass(frozen=True)
@@ -159,7 +153,7 @@ class LossStep:
     running_mean: float = 0.0
 
 
-def logratios(x: PairLogps | StepPairs) -> tuple[Tensor, Tensor]:
+def logratios(x: PairLogps) -> tuple[Tensor, Tensor]:
     """``(policy - reference)`` of the chosen and of the rejected responses, each ``[P]``."""
     return x.policy_chosen_logps - x.ref_chosen_logps, x.policy_rejected_logps - x.ref_rejected_logps
 
@@ -201,8 +195,8 @@ class LossRow:
     reference: bool = True
     lengths: tuple[str, ...] = ()
     token_mean: bool = False
-    step_values: Callable[[StepPairs], tuple[Tensor, ...]] | None = None
-    running_mean: Callable[[StepPairs, SimpleNamespace], Tensor] | None = None
+    step_values: Callable[[PairLogps], tuple[Tensor, ...]] | None = None
+    running_mean: Callable[[PairLogps, SimpleNamespace], Tensor] | None = None
     f_divergence: bool = False
     weighting: bool = True
     aliases: tuple[str, ...] = ()
@@ -215,7 +209,8 @@ class LossRow:
         if not set(self.lengths) <= set(_LENGTHS):
             raise ValueError(f"LossRow lengths {list(self.lengths)}: choose from {', '.join(_LENGTHS)}")
         if (self.step_values or self.running_mean) and not self.reference:
-            raise ValueError("LossRow with step_values or running_mean reads StepPairs, which hold reference log-probs")
+            raise ValueError("LossRow with step_values or running_mean reads the step's pairs, which hold reference "
+                             "log-probs")
 
     @property
     def coupled(self) -> bool:
@@ -236,7 +231,7 @@ class LossRow:
 # ---------------------------------------------------------------------------------------------
 
 
-def _margins(x: PairLogps | StepPairs) -> tuple[Tensor, Tensor]:
+def _margins(x: PairLogps) -> tuple[Tensor, Tensor]:
     # AOT (paired) sorts the policy's and the reference's chosen-minus-rejected margins
     return x.policy_chosen_logps - x.policy_rejected_logps, x.ref_chosen_logps - x.ref_rejected_logps
 
@@ -377,8 +372,9 @@ def needs_reference(loss_types: Iterable[str] | str) -> bool:
 
 
 def needs_step_pairs(loss_types: Iterable[str] | str, *, train: bool = True) -> bool:
-    """Whether the step context needs :class:`StepPairs` for these losses: rows with ``step_values`` always,
-    rows with ``running_mean`` when training (the trainer then runs a no-grad pre-pass over the step)."""
+    """Whether the step context needs the step's pairs (:meth:`PairLogps.for_step`) for these losses: rows with
+    ``step_values`` always, rows with ``running_mean`` when training (the trainer then runs a no-grad pre-pass over
+    the step)."""
     return any(LOSS_TABLE[name].needs_step_pairs(train=train) for name in _names(loss_types))
 
 

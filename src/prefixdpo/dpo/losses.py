@@ -154,7 +154,7 @@ def bco_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: fl
     """BCO on pairs, https://arxiv.org/abs/2404.04656. ``[P] -> [P]``.
 
     ``-logsigmoid(r_c - delta) - logsigmoid(-(r_r - delta))`` with ``r = beta * logratio``.
-    ``delta`` is the running reward mean over training steps (``prefixdpo.dpo.objective.RunningMean``);
+    ``delta`` is the running reward mean over training steps (``prefixdpo.dpo.coupling.RunningMean``);
     TRL 1.16 dropped it, which is ``delta = 0`` here (the default).
     """
     r_c, r_r = beta * chosen_logratios, beta * rejected_logratios

@@ -40,7 +40,7 @@ from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
-from prefixdpo.dpo.objective import LossConfigError
+from prefixdpo.dpo.losses import LossConfigError
 from prefixdpo.core.fingerprints import data_fingerprint
 from prefixdpo.dpo.reference_cache import RefLogpsTable, load_or_compute_table
 from prefixdpo.dpo.tr_dpo import tr_dpo_callback
@@ -383,5 +383,5 @@ def _choose(args, policy, ref_model, *, backend: str, pad_token_id: int, device)
     if not args.precompute_ref_log_probs:
         return source
     return PrecomputedReference(source, cache_dir=args.resolved_ref_cache_dir(),
-                                batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
+                                batch_size=args.precompute_batch_size,
                                 pad_token_id=pad_token_id, device=device)

@@ -28,7 +28,7 @@ from prefixdpo.core.fingerprints import config_fingerprint, data_fingerprint, we
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world
+from prefixdpo.core.rank_decisions import from_rank0, gather, rank_and_world
 
 logger = logging.getLogger(__name__)
 

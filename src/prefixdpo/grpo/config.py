@@ -9,7 +9,8 @@ Ampere+, XPU, NPU, TPU), fp32 elsewhere; TRL turns it on everywhere, which a CPU
 `GroupModelArguments` / `GroupScriptArguments`: the model, the dataset and the rewards of `prefixdpo grpo` /
 `prefixdpo rloo`: the argument classes TRL's `trl grpo` / `trl rloo` scripts parse (TRL 1.16's `ModelConfig`, and
 `GRPOScriptArguments`, i.e. `ScriptArguments` + the rewards, field for field; tests/test_trl_model_config.py walks
-them), parsed with the parser of every prefixdpo command (`prefixdpo.option_parser`).
+them), parsed with the parser of every prefixdpo command (`prefixdpo.commands.options`, by
+`prefixdpo.commands.grpo.parse_group_args`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
 
-from prefixdpo.option_parser import parse_options
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
@@ -152,15 +152,6 @@ class GroupScriptArguments(ScriptArguments):
 
     def streaming_refused(self) -> str:
         return GROUP_STREAMING_REFUSED
-
-
-def parse_group_args(config_class, command: str, argv: list[str] | None = None,
-                     demo_defaults: dict[str, str] | None = None, **parser_kwargs):
-    """`[config.yaml] [--option value ...]` -> (config, GroupModelArguments, GroupScriptArguments): the command line
-    overrides the YAML file; `demo_defaults` apply where neither sets the option and neither names a model or a
-    dataset (the embedded default)."""
-    return parse_options(group_options(config_class), argv, demo_defaults=demo_defaults,
-                         **{"prog": f"prefixdpo {command}", **parser_kwargs})
 
 
 def group_options(config_class) -> tuple:

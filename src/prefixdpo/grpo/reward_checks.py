@@ -31,7 +31,7 @@ from torch import nn
 from trl.trainer.utils import is_async_callable
 
 from prefixdpo.errors import UserError
-from prefixdpo.rank_decisions import any_rank, gather, rank_and_world
+from prefixdpo.core.rank_decisions import any_rank, gather, rank_and_world
 from prefixdpo.training import checkpoints
 
 logger = logging.getLogger(__name__)

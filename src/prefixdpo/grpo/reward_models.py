@@ -4,7 +4,7 @@ TRL 1.16 (`_calculate_rewards`) scores a reward model (an `AutoModelForSequenceC
 texts `prompt + completion` of all N rows, tokenized by the reward model's tokenizer and right-padded: the tokens a
 prompt's G rows share run G times. Here the rows TRL tokenized are grouped by their prompt, each group becomes one
 `Example` (prompt = the tokens all its rows start with, responses = the rest of each row), and the groups' token
-tries (`data.tree`) run in lines with the reward package's scorer (`reward.scores.compute_response_scores`): the
+tries (`data.tree`) run in lines with the core scorer (`core.scores.compute_response_scores`): the
 shared tokens once (a system prompt shared across groups too), every row's score read at the token TRL's model reads
 it at (its last token that is not the pad token). The scores equal TRL's to float rounding.
 
@@ -25,7 +25,7 @@ from prefixdpo.data.example import Example
 from prefixdpo.data.packing import auto_pack_length
 from prefixdpo.data.lines import bucket_length
 from prefixdpo.data.tree import build_tree_batch, plan_tree_lines, tree_line
-from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.core.scores import compute_response_scores
 
 
 def _common_length(rows: list[list[int]]) -> int:

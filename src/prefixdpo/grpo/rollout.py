@@ -20,7 +20,7 @@ from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.grpo.generation import PrefillCount, SharedPromptRoute, generate_routed
 from prefixdpo.grpo.reward_models import SharedPrefixScorer
-from prefixdpo.reward.scores import score_head
+from prefixdpo.core.scores import score_head
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
-from prefixdpo.core.engines import enable_requested_fsdp, refuse_prefix_reuse_on_sharded_engines
+from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
@@ -202,8 +202,7 @@ class PrefixSharedLogps:
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
-        refuse_prefix_reuse_on_sharded_engines(self)
+        apply_engine_settings(self)  # a requested FSDP applied (accelerate drops it on CPU); prefix reuse refused on it
         _fill_safety_defaults(self.args)
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
@@ -255,11 +254,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
-class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
-                        GRPOTrainer):
-    """TRL's `GRPOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
-    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
-    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun):
+    """What prefixdpo adds to a TRL group trainer (mixed in before it): log-prob passes on prefix-shared rows,
+    shared-prompt generation and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently
+    wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`), each set up after TRL's `__init__`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -270,16 +268,9 @@ class PrefixGRPOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptS
         self._init_survival()
 
 
-class PrefixRLOOTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun,
-                        RLOOTrainer):
-    """TRL's `RLOOTrainer` (same arguments) with its log-prob passes on prefix-shared rows, shared-prompt generation
-    and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently wrong
-    (`GuardedRewards`), and runs that survive (`SurvivingRun`)."""
+class PrefixGRPOTrainer(PrefixGroupTrainer, GRPOTrainer):
+    """TRL's `GRPOTrainer` (same arguments) with what `PrefixGroupTrainer` adds."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._setup_prefix_sharing()
-        self._setup_shared_generation()
-        self._setup_shared_scoring()
-        self._guard_reward_funcs()
-        self._init_survival()
+
+class PrefixRLOOTrainer(PrefixGroupTrainer, RLOOTrainer):
+    """TRL's `RLOOTrainer` (same arguments) with what `PrefixGroupTrainer` adds."""

@@ -3,7 +3,7 @@ name, type, default and meaning, plus the prefix-sharing options of `PrefixDPOCo
 
 It extends `transformers.TrainingArguments` (every Trainer option works unchanged) with TRL's reward
 defaults (learning_rate 1e-4, logging_steps 10, gradient checkpointing on, bf16 where the device has it).
-The command line reads these with `prefixdpo.option_parser.parse_options(REWARD_OPTIONS, argv)`, the same
+The command line reads these with `prefixdpo.commands.options.parse_options(REWARD_OPTIONS, argv)`, the same
 parser rules as `prefixdpo train`.
 """
 

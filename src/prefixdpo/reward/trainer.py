@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.data.loader import MicroBatch
-from prefixdpo.core.fit import check_run_fits
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import reward_examples
 from prefixdpo.reward.losses import RewardMetricSums, pair_metric_values, pair_reward_losses
 from prefixdpo.reward.model import prepare_reward_model
-from prefixdpo.reward.scores import compute_response_scores
+from prefixdpo.core.scores import compute_response_scores
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.training.options import resolve_tokens_per_pass
 
@@ -44,10 +43,8 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         model, processing_class = prepare_reward_model(model, args, backend=self.backend, peft_config=peft_config,
                                                        tokenizer=processing_class)
         self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
-        self._data_options = data_options or reward_data_options(args)
-        self.data_reports: dict = {}
-        train, evals = self._examples_of(train_dataset, eval_dataset, processing_class, args)
-        check_run_fits(model, args, self.backend, train, evals)  # before any work (fit.py)
+        train, evals = self._examples_that_fit(model, args, data_options or reward_data_options(args), train_dataset,
+                                               eval_dataset, processing_class)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
         self._init_run_state()

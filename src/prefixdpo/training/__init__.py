@@ -1,3 +1,4 @@
 """What every prefixdpo trainer shares, whatever it trains: the `transformers.Trainer` base over micro-batches
 of prefix-shared lines, the run's callback, checkpoints that are complete or invisible, the non-finite guard,
-metric sums reduced over ranks, and model set-up (PEFT, dropout, attention)."""
+metric sums reduced over ranks, model set-up (PEFT, dropout, attention), and the config turned into the frozen
+settings `data/` and `core/` read (`settings.py`)."""

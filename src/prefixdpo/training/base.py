@@ -21,8 +21,9 @@ it is (`_prepare_inputs`), or, where a method works something out per optimizer 
 per-step object (`_micro_batch` reads the MicroBatch back out of it).
 
 A subclass provides `_as_examples` (records -> Examples), `_pair_step` (one micro-batch's losses and metric
-sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_micro_batch`, and its
-per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
+sums), `compute_loss`, and `_new_metric_sums`; optionally `_reference_table`, `_micro_batch`, the options an engine
+must refuse (`_whole_weight_options`), and its per-checkpoint state (`_checkpoint_state` /
+`_restore_checkpoint_state`). The config reaches `data/` and `core/` only as frozen settings (`settings.py`).
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ from transformers.trainer_utils import EvalLoopOutput
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.core.fingerprints import data_fingerprint
+from prefixdpo.core.fit import check_run_fits
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
-from prefixdpo.core.engines import enable_requested_fsdp, refuse_unsupported_engine_options
 from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.core.offloading import activation_offloading_context
-from prefixdpo.data.inputs import loader_settings, pad_token_id
+from prefixdpo.data.inputs import pad_token_id
+from prefixdpo.training.settings import apply_engine_settings, fit_settings, loader_settings
 
 
 class PrefixTrainerBase(SurvivingRun, Trainer):
@@ -65,6 +67,16 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
         logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
         return args
+
+    def _examples_that_fit(self, model, args, data_options, train_dataset, eval_dataset, tokenizer, extra_passes=()):
+        """(train Examples, eval Examples or a dict of them) of the datasets given (records through the data pipeline
+        with `data_options`, reports in `data_reports`), each checked against the model and the machine before any
+        work (`core.fit`: positions, the mask's memory in every pass, a method's `extra_passes` too)."""
+        self._data_options = data_options
+        self.data_reports: dict = {}
+        train, evals = self._examples_of(train_dataset, eval_dataset, tokenizer, args)
+        check_run_fits(model, fit_settings(args, self.backend, extra_passes), train, evals)
+        return train, evals
 
     def _examples_of(self, train_dataset, eval_dataset, tokenizer, args):
         """(train Examples, eval Examples or a dict of them) through the subclass's `_as_examples`, grouped by
@@ -100,15 +112,24 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        enable_requested_fsdp(self)  # accelerate drops a requested FSDP on CPU: apply it, or refuse
-        refuse_unsupported_engine_options(self)
+        apply_engine_settings(self, self._whole_weight_options())  # a requested FSDP applied (also on CPU), or refused
         check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+
+    def _whole_weight_options(self) -> tuple[str, ...]:
+        """The method's options, set in this run, that read every weight whole (refused under ZeRO-3)."""
+        return ()
 
     # ---- data -------------------------------------------------------------------------------
 
     @property
     def pad_token_id(self) -> int:
         return pad_token_id(self.processing_class)
+
+    @property
+    def train_tree_plan(self):
+        """The tries the training data runs as (`prefix_tree`), once training has begun; else None."""
+        micro = self._train_micro
+        return None if micro is None else micro.tree_plan
 
     def _loader_settings(self, *, train: bool) -> LoaderSettings:
         size = self._train_batch_size if train else self.args.per_device_eval_batch_size

@@ -2,7 +2,7 @@
 the dataset to read, and the checks and TRL-style resolutions (bf16, checkpointing names, padding) that every
 method's config applies. Each method's config (`dpo/config.py`, `reward/config.py`) is a dataclass over
 `transformers.TrainingArguments` that inherits these fields; the command line reads them with
-`prefixdpo.option_parser`."""
+`prefixdpo.commands.options`."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ PREFIX_REUSE_HELP = (
     "max_tokens_per_pass runs its shared prefix once, keeping each layer's keys and values, and its responses in "
     "chunks of at most max_tokens_per_pass tokens against them (`core.prefix_reuse`): the same loss and gradients "
     "as one row, with the activations of the prefix and one chunk alive instead of the whole row's, for one more "
-    "forward of the response tokens (each chunk is recomputed in backward; never the prefix). Shorter examples run "
-    "as one row, unchanged. Examples run unpacked (packing false; GRPO's over-long groups get a line of their own).")
+    "forward of the response tokens of every chunk but the last (recomputed in backward; never the prefix). Shorter "
+    "examples run as one row, unchanged. Examples run unpacked (packing false; GRPO's over-long groups get a line of "
+    "their own); not with FSDP2 or ZeRO-3, nor with the MoE load-balancing loss.")
 MAX_TOKENS_PER_PASS_HELP = (
     "prefix_reuse: the most tokens one forward pass may hold (an int), or 'auto': the budget this device's memory "
     "allows (`core.fit.auto_tokens_per_pass`, an estimate of activation memory per token from the model's shape).")

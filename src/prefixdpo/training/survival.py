@@ -33,7 +33,7 @@ from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.engines import whole_model_state_dict
 from prefixdpo.core.model_checks import restore_stock_attention
 from prefixdpo.errors import TrainingInterrupted, TrainingPreempted, UserError
-from prefixdpo.rank_decisions import any_rank, from_rank0
+from prefixdpo.core.rank_decisions import any_rank, from_rank0
 from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import PreemptionSignals
 from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
@@ -280,7 +280,7 @@ class SurvivingRun:
         if self.args.should_save and os.path.isdir(staging):
             shutil.rmtree(staging)
         self.accelerator.wait_for_everyone()
-        with whole_model_state_dict(self):
+        with whole_model_state_dict(self.accelerator):
             super().save_model(staging, _internal_call)
         if self.args.should_save:
             restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo

@@ -13,7 +13,7 @@ import torch
 
 from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
-from prefixdpo.dpo.objective import LossParams
+from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.dpo.reference import Reference, SeparateModelReference
 from prefixdpo.dpo.step import Objective, pair_losses
 

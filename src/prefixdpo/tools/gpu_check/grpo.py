@@ -1,4 +1,4 @@
-"""The GRPO section of `make gpu-check` (`prefixdpo.gpu_check` imports this only where TRL is installed).
+"""The GRPO section of `make gpu-check` (`gpu_check.main` imports this only where TRL is installed).
 
 - grpo verify: `prefixdpo verify --task grpo`'s cases (`grpo.verify`) on tiny Llama and Qwen2 in fp32 and bf16, per
   GPU backend: per-token log-probs, entropies and gradients of the prefix-shared pass against TRL's own
@@ -16,21 +16,22 @@ from pathlib import Path
 
 import torch
 
-from prefixdpo.gpu_check import CheckResult, tiny_causal_lm
-from prefixdpo.bench.grpo import (
+from prefixdpo.tools.bench.grpo import (
     PROFILES,
     GroupTrainingStep,
     build_bench_trainer,
     run_profile,
     synthetic_rollouts,
 )
-from prefixdpo.bench.grpo_step import time_whole_step
-from prefixdpo.bench.reward import build_reward_model
-from prefixdpo.bench.flops import ModelShape
+from prefixdpo.tools.bench.grpo_step import time_whole_step
+from prefixdpo.tools.bench.reward import build_reward_model
+from prefixdpo.tools.bench.flops import ModelShape
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.bench.model import llama_config
+from prefixdpo.tools.bench.model import llama_config
 from prefixdpo.core.models import load_causal_lm
 from prefixdpo.grpo.verify import build_verify_trainer, compare_group_pass, random_group_rows, verify_cases
+from prefixdpo.tools.gpu_check.results import CheckResult
+from prefixdpo.tools.gpu_check.tiny_models import tiny_causal_lm
 
 VERIFY_ARCHS = ("llama", "qwen2")
 

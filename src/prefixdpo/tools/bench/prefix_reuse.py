@@ -203,9 +203,9 @@ def report(result: ReuseResult, examples: list[Example], meta: dict) -> str:
 
 def run(args, *, threads: int) -> int:
     """`prefixdpo bench --task reuse` (module docstring)."""
-    from prefixdpo.bench.clock import step_clock
-    from prefixdpo.bench.memory import PeakMemory
-    from prefixdpo.bench.model import SHAPES, build_models
+    from prefixdpo.tools.bench.clock import step_clock
+    from prefixdpo.tools.bench.memory import PeakMemory
+    from prefixdpo.tools.bench.model import SHAPES, build_models
 
     torch.set_num_threads(threads)
     clock = step_clock(args.clock, args.device)

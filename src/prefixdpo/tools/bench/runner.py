@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.bench.memory import PeakMemory
-from prefixdpo.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
-from prefixdpo.bench.paper import PAPER
-from prefixdpo.bench.step import DPOStep
-from prefixdpo.bench.workloads import Workload
-from prefixdpo.bench.flops import ModelShape, ideal_speedup, step_ideals
+from prefixdpo.tools.bench.memory import PeakMemory
+from prefixdpo.tools.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
+from prefixdpo.tools.bench.paper import PAPER
+from prefixdpo.tools.bench.step import DPOStep
+from prefixdpo.tools.bench.workloads import Workload
+from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup, step_ideals
 from prefixdpo.data.grouping import group_by_prompt
 from prefixdpo.data.tree import tree_line
 

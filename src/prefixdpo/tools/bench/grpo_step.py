@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,9 +37,9 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.bench.flops import FlopCount, ModelShape, forward_flops
-from prefixdpo.bench.grpo import GroupProfileResult, Rollout, _sync
-from prefixdpo.bench.memory import PeakMemory
+from prefixdpo.tools.bench.flops import FlopCount, ModelShape, forward_flops
+from prefixdpo.tools.bench.grpo import GroupProfileResult, Rollout, _sync
+from prefixdpo.tools.bench.memory import PeakMemory
 from prefixdpo.core.verify import stock_attention
 from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed, group_prompt_rows
 from prefixdpo.grpo.reward_models import group_examples, shared_reward_scores
@@ -178,6 +179,45 @@ def _score(reward_model, inputs, *, shared: bool, backend: str):
     return shared_reward_scores(reward_model, ids, mask, groups, backend=backend)
 
 
+@dataclass
+class _CallTimes:
+    """What `time_whole_step`'s interleaved calls measured: seconds per (phase, side) per counted pass, generation's
+    peak bytes per side, and how many generated rows were the same on both sides (first pass)."""
+
+    repeats: int
+    seconds: dict = field(default_factory=dict)
+    peak: dict = field(default_factory=lambda: {"trl": 0, "ours": 0})
+    equal_rows: int = 0
+    total_rows: int = 0
+
+    def __post_init__(self):
+        self.seconds = {(phase, side): [0.0] * self.repeats for phase in ("prefill", "generation", "scoring")
+                        for side in ("trl", "ours")}
+
+
+def _time_rollout(times: _CallTimes, calls: dict, meter, dev, clock, r: int, warmup: int, progress) -> dict:
+    """One pass over one rollout: each phase's call on each side (`calls[(phase, side)]`), timed; in the first pass
+    generation's peak memory too. -> each side's generated ids in the first pass (else {})."""
+    outs = {}
+    for side in ("trl", "ours"):
+        for phase in ("prefill", "generation", "scoring"):
+            first_generation = r == 0 and phase == "generation"
+            with meter if first_generation else contextlib.nullcontext():
+                _sync(dev)
+                t0 = clock()
+                out = calls[(phase, side)]()
+                _sync(dev)
+                dt = clock() - t0
+            if first_generation:
+                times.peak[side] = max(times.peak[side], meter.peak_bytes)
+                outs[side] = out
+            if r >= warmup:
+                times.seconds[(phase, side)][r - warmup] += dt
+            if progress is not None:
+                progress.update(1)
+    return outs
+
+
 def time_whole_step(trainer, reward_model, result: GroupProfileResult, rollouts: list[Rollout], shape: ModelShape, *,
                     device: str, backend: str, repeats: int, warmup: int, pad_id: int,
                     clock: Callable[[], float] = time.perf_counter, progress=None) -> WholeStep:
@@ -193,11 +233,7 @@ def time_whole_step(trainer, reward_model, result: GroupProfileResult, rollouts:
     config.max_new_tokens = config.min_new_tokens = K
     first_token = copy.deepcopy(config)
     first_token.max_new_tokens = first_token.min_new_tokens = 1
-    seconds = {(phase, side): [0.0] * repeats for phase in ("prefill", "generation", "scoring")
-               for side in ("trl", "ours")}
-    peak = {"trl": 0, "ours": 0}
-    equal_rows = total_rows = 0
-    meter = PeakMemory(dev)
+    times, meter = _CallTimes(repeats), PeakMemory(dev)
     was_training = model.training
     model.eval()  # no dropout: the bench's Llama has none, and generation must not draw for it
     reward_model.eval()
@@ -205,50 +241,43 @@ def time_whole_step(trainer, reward_model, result: GroupProfileResult, rollouts:
         with stock_attention(model), torch.inference_mode():
             for r in range(warmup + repeats):
                 for i, rollout in enumerate(batches):
-                    outs = {}
-                    for side in ("trl", "ours"):
-                        shared = side == "ours"
-                        for phase, run in (
-                                ("prefill", lambda: _generate(model, rollout, first_token, shared=shared, seed=r)),
-                                ("generation", lambda: _generate(model, rollout, config, shared=shared, seed=r)),
-                                ("scoring", lambda: _score(reward_model, scoring_inputs[i], shared=shared,
-                                                           backend=backend))):
-                            measure = meter if (r == 0 and phase == "generation") else contextlib.nullcontext()
-                            with measure:
-                                _sync(dev)
-                                t0 = clock()
-                                out = run()
-                                _sync(dev)
-                                dt = clock() - t0
-                            if r == 0 and phase == "generation":
-                                peak[side] = max(peak[side], meter.peak_bytes)
-                                outs[side] = out
-                            if r >= warmup:
-                                seconds[(phase, side)][r - warmup] += dt
-                            if progress is not None:
-                                progress.update(1)
+                    calls = {}
+                    for side, shared in (("trl", False), ("ours", True)):
+                        calls[("prefill", side)] = functools.partial(_generate, model, rollout, first_token,
+                                                                     shared=shared, seed=r)
+                        calls[("generation", side)] = functools.partial(_generate, model, rollout, config,
+                                                                        shared=shared, seed=r)
+                        calls[("scoring", side)] = functools.partial(_score, reward_model, scoring_inputs[i],
+                                                                     shared=shared, backend=backend)
+                    outs = _time_rollout(times, calls, meter, dev, clock, r, warmup, progress)
                     if r == 0:
-                        equal_rows += int((outs["trl"] == outs["ours"]).all(dim=1).sum())
-                        total_rows += outs["trl"].shape[0]
+                        times.equal_rows += int((outs["trl"] == outs["ours"]).all(dim=1).sum())
+                        times.total_rows += outs["trl"].shape[0]
                         if outs["trl"].shape[1] != rollout.prompt_ids.shape[1] + K:
                             raise RuntimeError("generate did not make exactly the rollout's K new tokens")
     finally:
         model.train(was_training)
+    return _whole_step(times, result, rollouts, scoring_inputs, shape, model, meter.method)
+
+
+def _whole_step(times: _CallTimes, result: GroupProfileResult, rollouts: list[Rollout], scoring_inputs, shape,
+                model, memory_method: str) -> WholeStep:
+    """The `WholeStep` of what `time_whole_step` measured (medians per step) and the training part `result` timed."""
 
     def per_step(phase: str, side: str) -> float:
-        return statistics.median(seconds[(phase, side)]) / len(rollouts)
+        return statistics.median(times.seconds[(phase, side)]) / len(rollouts)
 
     phases = {p: PhaseTime(per_step(p, "trl"), per_step(p, "ours")) for p in ("generation", "scoring")}
     phases["training"] = PhaseTime(result.modes["trl"].seconds_per_step, result.modes["shared-packed"].seconds_per_step)
     prefill = PhaseTime(per_step("prefill", "trl"), per_step("prefill", "ours"))
     ideals = _ideals(shape, rollouts, scoring_inputs, phases, prefill, result, bytes_per_value=_bytes(model))
-    N = rollouts[0].num_rows
     U = statistics.median(group_prompt_rows(r.prompt_ids, r.prompt_mask).num_unique for r in rollouts)
-    return WholeStep(profile=result.name, rows=N, unique_prompts=int(U),
-                     prompt_width=int(statistics.median(r.prompt_ids.shape[1] for r in rollouts)), new_tokens=K,
-                     phases=phases, prefill=prefill, ideals=ideals,
-                     peak_mb={s: v / 2**20 for s, v in peak.items()}, same_tokens=equal_rows / total_rows,
-                     notes=[f"generation peak memory: {meter.method}, first pass"])
+    return WholeStep(profile=result.name, rows=rollouts[0].num_rows, unique_prompts=int(U),
+                     prompt_width=int(statistics.median(r.prompt_ids.shape[1] for r in rollouts)),
+                     new_tokens=rollouts[0].logits_to_keep, phases=phases, prefill=prefill, ideals=ideals,
+                     peak_mb={s: v / 2**20 for s, v in times.peak.items()},
+                     same_tokens=times.equal_rows / times.total_rows,
+                     notes=[f"generation peak memory: {memory_method}, first pass"])
 
 
 def _bytes(model) -> int:

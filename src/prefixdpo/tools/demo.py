@@ -76,20 +76,20 @@ def filler_note(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
+def _record(rng: random.Random, task: str, wanted: str, other: str) -> dict:
+    """A record whose prompt holds a filler note and asks for `task`; chosen = `wanted`, rejected = `other`."""
+    return {"prompt": f"Note: {filler_note(rng)}\nTask: {task}.\nAnswer:", "chosen": wanted, "rejected": other}
+
+
 def _case_record(rng: random.Random) -> dict:
     """Repeat words in the letter case the prompt asks for; rejected = the other case."""
     words = rng.sample(WORDS, rng.randint(2, 4))
     upper = rng.random() < 0.5
     phrase = rng.choice(UPPER_PHRASES if upper else LOWER_PHRASES)
-    prompt = (
-        f"Note: {filler_note(rng)}\n"
-        f"Task: repeat the words {' '.join(words)} in {phrase}.\n"
-        "Answer:"
-    )
     upper_text = " " + " ".join(w.upper() for w in words)
     lower_text = " " + " ".join(words)
-    chosen, rejected = (upper_text, lower_text) if upper else (lower_text, upper_text)
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return _record(rng, f"repeat the words {' '.join(words)} in {phrase}",
+                   *((upper_text, lower_text) if upper else (lower_text, upper_text)))
 
 
 def _order_record(rng: random.Random) -> dict:
@@ -97,15 +97,10 @@ def _order_record(rng: random.Random) -> dict:
     digits = rng.sample(range(10), rng.randint(3, 5))
     increasing = rng.random() < 0.5
     phrase = rng.choice(INCREASING_PHRASES if increasing else DECREASING_PHRASES)
-    prompt = (
-        f"Note: {filler_note(rng)}\n"
-        f"Task: write the numbers {' '.join(map(str, digits))} in {phrase} order.\n"
-        "Answer:"
-    )
     up = " " + " ".join(map(str, sorted(digits)))
     down = " " + " ".join(map(str, sorted(digits, reverse=True)))
-    chosen, rejected = (up, down) if increasing else (down, up)
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return _record(rng, f"write the numbers {' '.join(map(str, digits))} in {phrase} order",
+                   *((up, down) if increasing else (down, up)))
 
 
 def make_record(rng: random.Random) -> dict:
@@ -230,7 +225,7 @@ def build_demo_for_run(output_dir: str | Path, training_args, spec: DemoSpec = D
     one builder each, one after another. Every rank takes each round's decision from the same gathered
     answers, so no two processes write one folder at once and none reads a half-written model.
     """
-    from prefixdpo.rank_decisions import from_rank0, gather, rank_and_world, wait_for_all
+    from prefixdpo.core.rank_decisions import from_rank0, gather, rank_and_world, wait_for_all
 
     _ = training_args.device  # brings up the process group of a distributed run
     rank, _ = rank_and_world()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from prefixdpo.bench.clock import step_clock
-from prefixdpo.bench.grpo import (
+from prefixdpo.tools.bench.clock import step_clock
+from prefixdpo.tools.bench.grpo import (
     MODES,
     PROFILES,
     GroupProfileResult,
@@ -26,11 +26,11 @@ from prefixdpo.bench.grpo import (
     run_profile,
     synthetic_rollouts,
 )
-from prefixdpo.bench.grpo_step import PHASES, WholeStep, time_whole_step
-from prefixdpo.bench.reward import build_reward_model
-from prefixdpo.bench.model import SHAPES, llama_config
+from prefixdpo.tools.bench.grpo_step import PHASES, WholeStep, time_whole_step
+from prefixdpo.tools.bench.reward import build_reward_model
+from prefixdpo.tools.bench.model import SHAPES, llama_config
 from prefixdpo.errors import ConfigError
-from prefixdpo.bench.flops import ModelShape
+from prefixdpo.tools.bench.flops import ModelShape
 from prefixdpo.atomic_io import atomic_write_text
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.core.models import load_causal_lm, load_tokenizer
@@ -111,8 +111,37 @@ def _model_folder(args, settings: dict, dtype: torch.dtype, folder: Path) -> tup
     return str(folder / "model"), build_tiny_tokenizer(vocab_size=min(shape.vocab, 384)), desc
 
 
+def _meta(args, trainer, reward_model, settings: dict, results, *, model_desc: str, backend: str, cuda: bool,
+          line_per_step: bool, seconds: float) -> dict:
+    """The report's header lines: what was run, where, on which model and settings, how timed."""
+    return {
+        "task": (f"GRPO training part of a step (TRL 1.16's loss, loss_type {trainer.loss_type}, beta {args.beta}, "
+                 f"num_iterations {args.num_iterations}): "
+                 + ("old-policy pass, " if args.num_iterations > 1 else "")
+                 + ("reference pass, " if args.beta > 0 else "")
+                 + f"{args.num_iterations} x (policy forward + backward, AdamW)"),
+        "device": ((f"{args.device} ({torch.cuda.get_device_name()}), bf16" if cuda else
+                    f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32")
+                   + f", attention backend '{backend}' for the prefix-shared modes, the model's stock SDPA for TRL's"),
+        "model": model_desc,
+        "settings": (f"{settings['rollouts']} rollouts per profile (one optimizer step each), {settings['warmup']} "
+                     f"warm-up + {settings['repeats']} counted passes, modes interleaved step by step; lengths x "
+                     f"{settings['length_scale']} of the profiles' (" + ("--quick: " if args.quick else "")
+                     + "scaled down to fit the machine; the per-profile table gives the lengths run); shared-packed: "
+                     + ("each step's groups in one line" if line_per_step else "the trainer's pack_length 'auto'")),
+        "memory": results[0].notes[0].split(": ", 1)[1],
+        "whole step": (f"generation (transformers generate, TRL's generation config, exactly K new tokens), scoring "
+                       f"by a reward model of the policy's shape ({type(reward_model).__name__}, random), the "
+                       "training part above; TRL's calls vs prefixdpo's (shared-prompt prefill, prefix-shared "
+                       "scoring, shared-packed passes), interleaved call by call"),
+        "timing": (f"{seconds:.0f} s; steps, generation and scoring timed by {args.clock} clock "
+                   f"({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); "
+                   f"torch {torch.__version__}"),
+    }
+
+
 def run_group_bench(args, *, threads: int) -> int:
-    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo.bench.grpo`)."""
+    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo.tools.bench.grpo`)."""
     from tqdm.auto import tqdm
 
     cuda = args.device.startswith("cuda")
@@ -151,30 +180,8 @@ def run_group_bench(args, *, threads: int) -> int:
             steps.append(time_whole_step(trainer, reward_model, result, rollouts[name], shape, device=args.device,
                                          backend=backend, repeats=settings["repeats"], warmup=settings["warmup"],
                                          pad_id=int(reward_model.config.pad_token_id), clock=clock, progress=bar))
-    meta = {
-        "task": (f"GRPO training part of a step (TRL 1.16's loss, loss_type {trainer.loss_type}, beta {args.beta}, "
-                 f"num_iterations {args.num_iterations}): "
-                 + ("old-policy pass, " if args.num_iterations > 1 else "")
-                 + ("reference pass, " if args.beta > 0 else "")
-                 + f"{args.num_iterations} x (policy forward + backward, AdamW)"),
-        "device": ((f"{args.device} ({torch.cuda.get_device_name()}), bf16" if cuda else
-                    f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32")
-                   + f", attention backend '{backend}' for the prefix-shared modes, the model's stock SDPA for TRL's"),
-        "model": model_desc,
-        "settings": (f"{settings['rollouts']} rollouts per profile (one optimizer step each), {settings['warmup']} "
-                     f"warm-up + {settings['repeats']} counted passes, modes interleaved step by step; lengths x "
-                     f"{settings['length_scale']} of the profiles' (" + ("--quick: " if args.quick else "")
-                     + "scaled down to fit the machine; the per-profile table gives the lengths run); shared-packed: "
-                     + ("each step's groups in one line" if line_per_step else "the trainer's pack_length 'auto'")),
-        "memory": results[0].notes[0].split(": ", 1)[1],
-        "whole step": (f"generation (transformers generate, TRL's generation config, exactly K new tokens), scoring "
-                       f"by a reward model of the policy's shape ({type(reward_model).__name__}, random), the "
-                       "training part above; TRL's calls vs prefixdpo's (shared-prompt prefill, prefix-shared "
-                       "scoring, shared-packed passes), interleaved call by call"),
-        "timing": (f"{time.perf_counter() - start:.0f} s; steps, generation and scoring timed by {args.clock} clock "
-                   f"({'CPU seconds of this process' if args.clock == 'cpu' else 'wall seconds'}); "
-                   f"torch {torch.__version__}"),
-    }
+    meta = _meta(args, trainer, reward_model, settings, results, model_desc=model_desc, backend=backend, cuda=cuda,
+                 line_per_step=line_per_step, seconds=time.perf_counter() - start)
     out = Path(args.out)
     md = markdown_report(results, steps, meta)
     atomic_write_text(str(out / "bench.md"), md)

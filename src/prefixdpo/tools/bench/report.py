@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from prefixdpo.bench.runner import ProfileResult
+from prefixdpo.tools.bench.runner import ProfileResult
 
 __all__ = ["to_json", "markdown_report", "aims"]
 

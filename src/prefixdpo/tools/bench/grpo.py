@@ -34,11 +34,11 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.bench.flops import FlopCount, ModelShape, forward_flops, shared_flop_count, standard_flop_count
+from prefixdpo.tools.bench.flops import FlopCount, ModelShape, forward_flops, shared_flop_count, standard_flop_count
 
-from prefixdpo.bench.memory import PeakMemory
+from prefixdpo.tools.bench.memory import PeakMemory
 
-from prefixdpo.bench.runner import Spread
+from prefixdpo.tools.bench.runner import Spread
 
 from prefixdpo.errors import UserError
 

@@ -1,1 +1,0 @@
-"""Benchmarks: the side-by-side standard vs prefix-shared runs (the useful-FLOP model is `prefixdpo.bench.flops`)."""
