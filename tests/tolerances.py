@@ -124,8 +124,8 @@ def assert_same_weights(a: dict, b: dict, k: float = K_FORWARD, what: str = "wei
     """Two runs' named weights {name: tensor} of the same steps (a resume, the same steps without a skipped one)
     within k eps x the largest |weight| of `b` (K_FORWARD: the same computations, a few ulps at most)."""
     assert a.keys() == b.keys() and a
-    diff = max(float((a[n].double() - b[n].double()).abs().max()) for n in b)
-    return assert_small(diff, max(float(b[n].abs().max()) for n in b), k=k, what=what)
+    diff = max(float((a[n].detach().double() - b[n].detach().double()).abs().max()) for n in b)
+    return assert_small(diff, max(float(b[n].detach().abs().max()) for n in b), k=k, what=what)
 
 
 def sgd_grad_scale(grad: torch.Tensor, start: torch.Tensor, lr: float) -> float:
