@@ -45,7 +45,7 @@ def cache_run(out: str, cache_dir: str) -> dict:
     trainer.train()
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     return {"hit": trainer.reference.cache_hits["train"],
-            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
             "params": params[:: max(1, params.numel() // 2000)].tolist()}
 
 

@@ -232,6 +232,8 @@ def run_trials(workdir: str, trials: list[dict], result_path: str, command, star
     start = safetensors.torch.load_file(start_weights)
     moved = max(float((reference[k] - start[k]).abs().max()) for k in reference if k in start)  # a reward model:
     # the causal LM's body
+    # the scale the runs' weights carry rounding in (`tolerances.weights_scale`)
+    scale = max(float(start[k].abs().max()) for k in reference if k in start) + moved
     results = []
     for i, trial in enumerate(trials):
         out = os.path.join(workdir, f"trial-{i}")
@@ -259,7 +261,7 @@ def run_trials(workdir: str, trials: list[dict], result_path: str, command, star
                         "chosen": os.path.basename(chosen) if chosen else None, "resume_code": resume_code,
                         "max_weight_diff": diff})
     with open(result_path, "w") as fh:
-        json.dump({"reference_moved": moved, "trials": results}, fh, indent=1)
+        json.dump({"reference_moved": moved, "weights_scale": scale, "trials": results}, fh, indent=1)
 
 
 def main_driver(workdir: str, trials: list[dict], result_path: str, method: str = "train") -> None:

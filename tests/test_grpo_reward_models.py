@@ -1,7 +1,7 @@
 """Reward models as GRPO/RLOO reward functions, scored prefix-shared (`grpo/reward_models.py`) == TRL's scores.
 
-The unit test compares with the stock model on TRL's right-padded rows (fp32; |diff| <= 1e-5 x max(1, largest
-|score|), as tests/test_reward_scores.py); the trainer test runs TRL's `GRPOTrainer` / `RLOOTrainer` and ours with a
+The unit test compares with the stock model on TRL's right-padded rows (fp32; within K_FORWARD eps of the scores'
+rounding scale |w| |h|, `test_reward_scores.score_scale`); the trainer test runs TRL's `GRPOTrainer` / `RLOOTrainer` and ours with a
 tiny reward model in float64 (so the sampled completions compare token for token, see test_grpo_generation.py) and
 compares every logged reward metric within 1e-9 relative (float64 scores are ~1e-16 apart; the metrics are means
 and standard deviations of O(1) scores over 8 rows).
@@ -14,13 +14,13 @@ import logging
 import pytest
 import torch
 from grpo_common import prompt_dataset, saved_tiny_model, tokenizer
-from test_reward_scores import tiny_reward_model
+from test_reward_scores import score_scale, tiny_reward_model
 from transformers import AutoModelForCausalLM
 
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.grpo.reward_models import group_examples, shared_reward_scores
+from tolerances import K_FORWARD, assert_within
 
-TOL = 1e-5
 SYSTEM = [11, 12, 13, 14, 15]
 
 
@@ -53,7 +53,7 @@ def test_shared_scores_equal_the_model_on_trl_rows(packing, backend):
         prepare_model(model, backend)
         ours = shared_reward_scores(model, input_ids, mask, groups, backend=backend, packing=packing)
     assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max() <= TOL * max(1.0, theirs.abs().max().item())
+    assert_within(ours, theirs, score_scale(model), k=K_FORWARD, what="shared scores")
     assert theirs.std() > 0.1  # the rows score differently: a mix-up of rows would show
 
 

@@ -7,8 +7,8 @@ stays finite) or a NaN loss (added to one micro-batch's loss) at optimizer step 
   exactly), the error names step k and a last good checkpoint whose weights are finite; a NaN loss in the
   first of two accumulated micro-batches likewise; the reward trainer too.
 - skip, one process: weights, AdamW state and lr schedule after the skipped step == before it; the whole
-  run == a run on the data without that step's batch (1e-6), with a warm-up schedule that would show a
-  scheduler step; `nonfinite_skipped` logged; N consecutive non-finite steps stop the run; the counts come
+  run == a run on the data without that step's batch (`tolerances.assert_same_weights`), with a warm-up schedule
+  that would show a scheduler step; `nonfinite_skipped` logged; N consecutive non-finite steps stop the run; the counts come
   back on resume.
 - 2 gloo ranks, one torchrun launch (`nonfinite_driver.py`), the fault on rank 1 only: DDP and FSDP2 (stop:
   both ranks stop with weights == step 1's; skip: weights and optimizer state after step 2 == after step 1,
@@ -41,6 +41,7 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.core.model_checks import unwrap
 from prefixdpo.training.nonfinite import NonFiniteLossError, check_engine_support, deepspeed_gap
 from prefixdpo.commands.reward import parse_reward_args
+from tolerances import assert_same_weights
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,10 +96,10 @@ def checkpoint_weights(folder) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-def assert_equal_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+def assert_equal_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and a
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, worst
+    assert worst == 0.0, worst
 
 
 def nan_loss_trainer(step: int, micro_batch: int = 0):
@@ -203,7 +204,7 @@ def test_skip_leaves_the_step_out_exactly(tmp_path):
     without = PrefixDPOTrainer(model=tiny_model("llama"), args=config(tmp_path, "without", max_steps=3, **schedule),
                                train_dataset=examples[:2] + examples[4:])
     without.train()
-    assert_equal_weights(weights(trainer.model), weights(without.model), atol=1e-6)
+    assert_same_weights(weights(trainer.model), weights(without.model), what="skipped run vs run without")
     assert not torch.equal(weights(trainer.model)["lm_head.weight"], w1["lm_head.weight"])  # steps 3-4 trained
 
 

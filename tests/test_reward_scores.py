@@ -1,4 +1,5 @@
-"""Reward scores from prefix-shared rows equal separate stock passes of the model (fp32, 1e-5), on tiny
+"""Reward scores from prefix-shared rows equal separate stock passes of the model (fp32, `assert_scores_match`;
+one float64 case), on tiny
 Llama, Qwen2, Qwen3 and Mistral sequence classifiers: K = 2 and 4, unpacked and packed, with padding
 (lines of different lengths, padded to a multiple of 128), standard rows packed without sharing, and
 the gradients of a Bradley-Terry loss; and on tree lines (`data.tree`: records sharing a prompt, a system prompt,
@@ -7,6 +8,7 @@ that is not the pad token, as the stock model pools; on tree lines too), the los
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -23,6 +25,7 @@ from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.core.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores
 from test_tree import CASES as TREE_CASES
+from tolerances import assert_matches_separate_passes, assert_within, float64_model
 
 
 def tiny_reward_model(arch: str = "llama", pad_token_id: int = 0, **overrides):
@@ -44,7 +47,20 @@ def tiny_reward_model(arch: str = "llama", pad_token_id: int = 0, **overrides):
     return model.train(False)
 
 
-TOL = 1e-5  # scores: abs diff <= TOL x max(1, largest |score|); gradients: x max(1, largest entry)
+def score_scale(model) -> float:
+    """The scale of a reward score's rounding: a score is the head's dot product w . h with the final RMS-normed
+    hidden state h (|h|_2 <= sqrt(D) x the norm's largest weight), whose terms cancel, so it carries eps x
+    |w|_2 |h|_2, not eps x |score|."""
+    head, norm = model.score.weight, model.base_model.norm.weight
+    return head.norm().item() * norm.numel() ** 0.5 * norm.abs().max().item()
+
+
+def assert_scores_match(result, model, dtype: torch.dtype = torch.float32) -> None:
+    """`compare_scores`' result within the rule of `tolerances`: scores within K_FORWARD eps of `score_scale`,
+    gradients within K eps of their largest entry."""
+    assert_matches_separate_passes(dataclasses.replace(result, logp_scale=score_scale(model)), dtype)
+
+
 # (prompt length, response lengths): K = 2, K = 4 (best vs each), K = 2 with a one-token response
 SHAPES = ((7, (5, 3)), (4, (6, 2, 3, 4)), (9, (1, 8)))
 LAYOUTS = {  # name: (packs, prefix_sharing, pad_multiple)
@@ -62,7 +78,17 @@ def test_scores_and_gradients_equal_separate_stock_passes(arch):
     for name, (packs, sharing, multiple) in LAYOUTS.items():
         result = compare_scores(model, examples, packs=packs, prefix_sharing=sharing, pad_multiple=multiple, case=name)
         assert result.logp_scale > 0.1 and result.grad_scale > 1e-3  # the comparison means something
-        assert result.ok(TOL, TOL), (arch, name, result)
+        assert_scores_match(result, model)
+
+
+def test_scores_and_gradients_equal_separate_stock_passes_in_float64():
+    """float64 (`tolerances.float64_model`; scores and the loss stay float32, as prefixdpo computes them: equal
+    float64 scores round to equal float32 ones), packed lines with padding: agreement to float64 rounding."""
+    model = float64_model(tiny_reward_model("llama"))
+    packs, sharing, multiple = LAYOUTS["shared, two packed lines, padded"]
+    result = compare_scores(model, random_examples(seed=1, shapes=SHAPES), packs=packs, prefix_sharing=sharing,
+                            pad_multiple=multiple, case="float64")
+    assert_scores_match(result, model, torch.float64)
 
 
 def test_the_score_is_read_where_the_stock_model_pools():
@@ -80,7 +106,7 @@ def test_the_score_is_read_where_the_stock_model_pools():
     assert column.tolist() == [4, 2, 8, 14, 15, 17]
     for packs in (None, [[0, 1, 2]]):
         result = compare_scores(model, examples, packs=packs, pad_token_id=pad)
-        assert result.ok(TOL, TOL), (packs, result)
+        assert_scores_match(result, model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -94,7 +120,7 @@ def test_scores_on_tree_lines_equal_separate_stock_passes(arch, case):
     model = tiny_reward_model(arch)
     result = compare_scores(model, examples, packs=lines, pad_multiple=8, tree=True)
     assert result.logp_scale > 0.1 and result.grad_scale > 1e-3
-    assert result.ok(TOL, TOL), (arch, case, result)
+    assert_scores_match(result, model)
 
 
 def test_the_score_is_read_where_the_stock_model_pools_on_tree_lines():
@@ -111,9 +137,9 @@ def test_the_score_is_read_where_the_stock_model_pools_on_tree_lines():
     line, column = score_positions(batch, pad)
     assert line.tolist() == [0] * 6 and column.tolist() == [4, 2, 6, 7, 9, 11]
     assert score_positions(batch, None)[1].tolist() == [5, 8, 6, 7, 10, 11]  # no pad token: the last token
-    result = compare_scores(tiny_reward_model("qwen2", pad_token_id=pad), examples, pad_token_id=pad, tree=True,
-                            pad_multiple=16)
-    assert result.ok(TOL, TOL), result
+    model = tiny_reward_model("qwen2", pad_token_id=pad)
+    result = compare_scores(model, examples, pad_token_id=pad, tree=True, pad_multiple=16)
+    assert_scores_match(result, model)
 
 
 def test_empty_micro_batch_joins_the_backward_with_zero_weight():
@@ -135,9 +161,11 @@ def test_bradley_terry_loss_with_margin_and_centering():
     losses = pair_reward_losses(scores, better, worse, margins, center_coefficient=0.01)
     gap = torch.tensor([1.5 - 0.5, 2.5, 1.75 - 1.0])
     center = 0.01 * torch.tensor([0.5, 1.5, 2.25]) ** 2
-    assert torch.allclose(losses, torch.nn.functional.softplus(-gap) + center, atol=1e-7)
+    # the same few operations on exact inputs: within one rounding of the gaps' inputs (the scores, x 2)
+    scale = 2 * scores.abs().max().item()
+    assert_within(losses, torch.nn.functional.softplus(-gap) + center, scale, k=1, what="centered losses")
     plain = pair_reward_losses(scores, better, worse)
-    assert torch.allclose(plain, torch.nn.functional.softplus(-torch.tensor([1.5, 2.5, 1.75])), atol=1e-7)
+    assert_within(plain, torch.nn.functional.softplus(-torch.tensor([1.5, 2.5, 1.75])), scale, k=1, what="losses")
 
 
 def test_models_that_are_not_one_label_classifiers_are_refused():

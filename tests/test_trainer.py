@@ -2,10 +2,10 @@
 
 Equivalence: prefix-shared training (unpacked, packed, K-response rows) against standard paired
 training (`prefix_sharing=False, packing=False`: every response its own `[prompt][response]` row) on the
-same example groups per step, several SGD steps of DPO with a reference model. Tolerances (fp32):
-per-step loss 1e-5 relative; reward/log-prob metrics 1e-5 relative to the log-prob scale they are
-computed from (a reward is beta x a small difference of two ~-30 sums, so its own relative error is
-bounded by the sums' rounding, not by its size); final weights 1e-5 absolute.
+same example groups per step, several SGD steps of DPO with a reference model. Tolerances (`tolerances`, fp32,
+and one float64 run): per-step loss and rewards within beta x the step's log-prob sums' scale (a loss near log 2
+and a reward, beta x a small difference of two ~-30 sums, carry the sums' rounding, not their own size's); log-prob
+metrics within the sums' scale; final weights within the largest weight plus the largest total move.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.loader import LoaderSettings, MicroBatches, plan_epoch, step_pair_totals
 from prefixdpo.errors import UserError
 from prefixdpo.dpo.trainer import NonFiniteLossError
+from tolerances import (K, K_FORWARD, assert_logged_loss_within, assert_within, bound, dpo_loss_scale, in_dtype,
+                        weights_scale)
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+REWARDS, LOGPS = ("rewards/chosen", "rewards/rejected", "rewards/margins"), ("logps/chosen", "logps/rejected")
 
 
 def config(tmp_path, **kw) -> PrefixDPOConfig:
@@ -52,23 +54,31 @@ def weights(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
 
 
-def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, loss_rtol=1e-5, weight_atol=1e-5):
+def assert_same_run(logs_a, logs_b, w_a=None, w_b=None, weight_k: float = K, beta: float = 0.5,
+                    dtype: torch.dtype = torch.float32):
+    """Two runs of the same steps in `dtype` agree (`tolerances`): each step's loss and rewards within beta x its
+    log-prob sums' scale (`dpo_loss_scale`, `assert_logged_loss_within`), its logps/* within those sums' largest;
+    the final weights [named] within the scale their steps' rounding builds up in (`weights_scale` from the tiny
+    Llama every run starts from). Losses, rewards and log-probs are forward values (K_FORWARD, the steps small next
+    to the weights), the weights sums over every token's gradient (K). weight_k=0: bitwise equal weights."""
     assert len(logs_a) == len(logs_b) > 0
     for a, b in zip(logs_a, logs_b):
-        assert a["loss"] == pytest.approx(b["loss"], rel=loss_rtol), (a, b)
-        scale = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]), 1.0)
-        for key in METRICS:
-            assert abs(a[key] - b[key]) <= 1e-5 * scale, (key, a[key], b[key])
+        step, scale = b["step"], dpo_loss_scale(b, beta)
+        assert_logged_loss_within(a["loss"], b["loss"], scale, dtype, what=f"step {step} loss")
+        assert_within([a[k] for k in REWARDS], [b[k] for k in REWARDS], scale, dtype, K_FORWARD, f"step {step} rewards")
+        sums = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
+        assert_within([a[k] for k in LOGPS], [b[k] for k in LOGPS], sums, dtype, K_FORWARD, f"step {step} logps")
         # Accuracy is a step function of each pair's margin: compare it only where no margin can be a tie.
         # While the policy still equals its reference (step 1) every margin is 0 up to rounding, and the
         # last bits differ between CPUs, so there the rewards themselves must be ~0 instead.
-        if max(abs(b["rewards/chosen"]), abs(b["rewards/rejected"])) < 1e-6:
-            assert max(abs(a["rewards/chosen"]), abs(a["rewards/rejected"])) < 1e-6
+        if max(abs(b["rewards/chosen"]), abs(b["rewards/rejected"])) <= bound(scale, k=K_FORWARD):
+            assert max(abs(a["rewards/chosen"]), abs(a["rewards/rejected"])) <= bound(scale, k=K_FORWARD)
         else:
             assert a["rewards/accuracies"] == b["rewards/accuracies"]
     if w_a is not None:
-        worst = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
-        assert worst <= weight_atol, worst
+        start = dict(tiny_model("llama").named_parameters())
+        flat_a, flat_b, flat_start = (torch.cat([w[k].detach().flatten() for k in w_b]) for w in (w_a, w_b, start))
+        assert_within(flat_a, flat_b, weights_scale(flat_start, flat_b), dtype, k=weight_k, what="final weights")
 
 
 class StandardOnPlan(PrefixDPOTrainer):
@@ -91,17 +101,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prefix_sharing_equals_standard_training(tmp_path, case):
+@pytest.mark.parametrize("case,dtype", [(case, torch.float32) for case in CASES] + [("packed", torch.float64)])
+def test_prefix_sharing_equals_standard_training(tmp_path, case, dtype):
+    """float64 (`tolerances.in_dtype`): the same runs agree to float64 rounding, so fp32's difference is rounding."""
     opts, data = CASES[case]
     examples = make_examples(16, ks=data["ks"])
-    shared, logs_shared = train(config(tmp_path, **opts), examples)
+    shared, logs_shared = train(config(tmp_path, **opts), examples, model=in_dtype(tiny_model("llama"), dtype))
     packed = {k: v for k, v in opts.items() if k in ("packing", "pack_length")}
     StandardOnPlan.plan_kwargs = packed
     std_opts = {**opts, "packing": False, "prefix_sharing": False}
     std_opts.pop("pack_length", None)
-    standard, logs_std = train(config(tmp_path, **std_opts), examples, trainer_cls=StandardOnPlan)
-    assert_same_run(logs_shared, logs_std, weights(shared), weights(standard))
+    standard, logs_std = train(config(tmp_path, **std_opts), examples, trainer_cls=StandardOnPlan,
+                               model=in_dtype(tiny_model("llama"), dtype))
+    assert_same_run(logs_shared, logs_std, weights(shared), weights(standard), dtype=dtype)
     # the run did something, and prefix sharing saved tokens while the standard run saved none
     assert logs_shared[-1]["loss"] != pytest.approx(logs_shared[0]["loss"], rel=1e-3)
     assert logs_shared[0]["prefix_sharing/tokens_saved"] > 0.2
@@ -129,7 +141,7 @@ def test_reference_modes(tmp_path, monkeypatch):
     t_copy, logs_copy = train(config(tmp_path), examples)
     assert t_copy.reference.name == "model"
     t_ref, logs_ref = train(config(tmp_path), examples, ref_model=tiny_model("llama"))
-    assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_atol=1e-7)
+    assert_same_run(logs_ref, logs_copy, weights(t_ref), weights(t_copy), weight_k=1)
 
     # precomputed: same numbers, no reference model kept, and a second run reuses the cache
     import prefixdpo.dpo.reference_cache as reference_cache
@@ -143,7 +155,7 @@ def test_reference_modes(tmp_path, monkeypatch):
     assert_same_run(logs_pre, logs_copy, weights(t_pre), weights(t_copy))
     t_again, logs_again = train(config(tmp_path, precompute_ref_log_probs=True), examples)
     assert calls == [1] and t_again.reference.cache_hits == {"train": True}  # no reference forward at all
-    assert_same_run(logs_again, logs_pre, weights(t_again), weights(t_pre), weight_atol=0.0)
+    assert_same_run(logs_again, logs_pre, weights(t_again), weights(t_pre), weight_k=0)
     # other data -> another key -> computed again
     train(config(tmp_path, precompute_ref_log_probs=True, max_steps=1), examples[:8])
     assert calls == [1, 1]
@@ -194,12 +206,13 @@ def test_resume_equals_uninterrupted(tmp_path, loss):
     resumed.train(resume_from_checkpoint="latest")
     logs_resumed = [h for h in resumed.state.log_history if "loss" in h]
     assert [h["step"] for h in logs_resumed[-3:]] == [4, 5, 6]
-    assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_atol=1e-6)
+    assert_same_run(logs_resumed[-3:], logs_full[-3:], weights(resumed), weights(full), weight_k=K_FORWARD)
     state, expected = resumed.coupling.state_dict()["running_means"], full.coupling.state_dict()["running_means"]
     assert state.keys() == expected.keys() == ({"bco_pair"} if loss == "bco_pair" else set())
-    for name in expected:
-        assert state[name] == pytest.approx(expected[name], rel=1e-5)
-        assert expected[name]["count"] > 0
+    for name in expected:  # a running mean of rewards: within the rewards' scale (beta x the sums')
+        assert_within(state[name]["mean"], expected[name]["mean"], dpo_loss_scale(logs_full[-1], 0.5), k=K_FORWARD,
+                      what=f"{name} running mean")
+        assert state[name]["count"] == expected[name]["count"] > 0
 
 
 def test_multi_epoch_replans_with_seed(tmp_path):
@@ -240,7 +253,8 @@ def test_save_model_loads_with_stock_transformers(tmp_path):
     with torch.no_grad():
         ref = copy.deepcopy(t.model)
         ref.set_attn_implementation("sdpa")
-        assert torch.allclose(loaded(ids).logits, ref(ids).logits, atol=1e-6)
+        want = ref(ids).logits  # the same weights through the same attention: equal to their own rounding
+        assert_within(loaded(ids).logits, want, want.abs().max().item(), k=K_FORWARD, what="logits")
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
@@ -320,8 +334,11 @@ def test_precomputed_reference_evaluates_new_data_with_the_reference_not_the_pol
     pre, _ = train(config(tmp_path, precompute_ref_log_probs=True), examples)
     a, b = live.evaluate(other), pre.evaluate(other)
     assert abs(a["eval_rewards/chosen"]) > 1e-2  # the policy moved away from its reference
-    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_logps/chosen"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    scale = dpo_loss_scale(a, 0.5, "eval_")
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected"):
+        assert_within(b[key], a[key], scale, k=K_FORWARD, what=key)
+    assert_within(b["eval_logps/chosen"], a["eval_logps/chosen"], abs(a["eval_logps/chosen"]), k=K_FORWARD,
+                  what="eval_logps")
     assert pre.reference.cache_hits["eval"] is False  # a new table, computed after training
 
 

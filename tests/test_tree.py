@@ -1,8 +1,9 @@
 """Token trees across records (`data.tree`): records whose sequences share leading tokens run them once per line.
 
 Exactness against STOCK separate passes (each `[prompt][response]` alone, the model's own attention): every
-response's log-prob sum within 1e-5 x max(1, largest |sum|) and every gradient entry of a DPO-shaped loss within
-1e-5 x max(1, largest entry), fp32, on Llama, Qwen2 (GQA), Qwen3, Gemma and GPT-2 (learned absolute positions),
+response's log-prob sum within K_FORWARD eps x the largest |sum| and every gradient entry of a DPO-shaped loss
+within K eps x the largest entry (`tolerances`; float64: tests/test_equivalence.py), fp32, on Llama, Qwen2 (GQA),
+Qwen3, Gemma and GPT-2 (learned absolute positions),
 for trees of depth 1 (records of one prompt), 2 (a system prompt, then prompts, then responses) and 3 (a
 dialogue: each turn's prompt holds the earlier turns), packed two lines with padding, on the dense SDPA mask and on the segment plan cut
 along the tree; FlexAttention's mask_mod equals the dense mask element-wise and its forward (CPU, no backward
@@ -23,6 +24,7 @@ from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import dpo_loss, separate_pass_logps
 from prefixdpo.data.example import Example
 from prefixdpo.data.tree import build_tree_batch, tree_line
+from tolerances import K_FORWARD, assert_within
 
 
 def _ids(g: random.Random, n: int) -> tuple[int, ...]:
@@ -113,10 +115,10 @@ def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     prepare_model(model, backend)
     ours = compute_response_logps(model, batch, batch_attention_mask(batch, backend)).sums
     dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
-    scale = max(1.0, stock.detach().abs().max().item())
-    assert (ours.detach() - stock.detach()).abs().max().item() <= 1e-5 * scale
+    assert_within(ours.detach(), stock.detach(), stock.detach().abs().max().item(), k=K_FORWARD, what="sums")
     grad_scale = stock_grads.abs().max().item()
-    assert grad_scale > 1e-3 and (grads() - stock_grads).abs().max().item() <= 1e-5 * max(1.0, grad_scale)
+    assert grad_scale > 1e-3
+    assert_within(grads(), stock_grads, grad_scale, what="gradients")
 
 
 def test_the_mask_picture_draws_a_tree_line(tmp_path):
@@ -170,7 +172,7 @@ def test_the_flex_mask_mod_of_a_tree_equals_its_dense_mask_and_runs_like_sdpa(tm
             if "not supported for CPU" not in str(err):
                 raise
             pytest.skip("compiled FlexAttention is not supported on this CPU capability")
-    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+    assert_within(flex, sdpa, sdpa.abs().max().item(), k=K_FORWARD, what="flex vs sdpa sums")
 
 
 def test_trie_costs_count_the_nodes_a_trie_line_lays_out():

@@ -3,10 +3,8 @@
 
 `use_weighting` and `ld_alpha`: per-step loss, gradient norm, log-probs and rewards equal TRL's
 `DPOTrainer` on the same tiny model, records and sequential order (learning rate 1e-3, fp32 CPU), prefix
-sharing on, packing off and on. Tolerances as `test_trl_parity`: relative 1e-4 on loss, grad_norm and
-summed log-probs; 5e-5 absolute on rewards (beta x log-prob differences around 0, where a relative
-bound is meaningless). Measured (ATen default): relative <= 6.1e-7 (WPO) and <= 3.5e-7 (LD-DPO, alpha
-0.5), rewards <= 4.8e-7 absolute, packed and unpacked.
+sharing on, packing off and on. Tolerances as `test_trl_parity.compare` (from `tolerances`: loss and rewards
+within beta x the log-prob sums' scale, where a bound relative to a reward near 0 is meaningless).
 
 `router_aux_loss_coef`: TRL averages the load-balancing statistics over the tokens of its padded rows,
 where each pair's prompt appears twice. A prefix-shared row holds the prompt once, so the model's own
@@ -30,7 +28,8 @@ from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import pack_in_order
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from test_trl_parity import LOGPS_RTOL, REWARD_ATOL, compare, parity_records, shared_options, step_logs
+from test_trl_parity import MOVED, compare, parity_records, shared_options, step_logs
+from tolerances import K_FORWARD, assert_within
 
 # ---------------------------------------------------------------------------------------------
 # use_weighting / ld_alpha: per-step equality with TRL 1.16's DPOTrainer
@@ -108,9 +107,9 @@ def test_option_per_step_equal_trl_dpo_trainer(setup, trl_runs, tmp_path, name, 
     # the option changed TRL's run (so equality is not plain DPO's): the first step's loss (WPO scales it)
     # or log-probs (LD-DPO re-weights them) differ from the plain run's
     key = "loss" if name == "wpo" else "logps/chosen"
-    assert abs(trl_logs[0][key] - plain[0][key]) > 100 * LOGPS_RTOL * abs(plain[0][key]), (key, trl_logs[0], plain[0])
+    assert abs(trl_logs[0][key] - plain[0][key]) > 1e-2 * abs(plain[0][key]), (key, trl_logs[0], plain[0])
     # training moved the policy: rewards are not trivially zero after the first step
-    assert all(abs(o["rewards/margins"]) > 10 * REWARD_ATOL for o in ours[1:]), table
+    assert all(abs(o["rewards/margins"]) > MOVED for o in ours[1:]), table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +162,8 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
         attention = batch_attention_mask(batch, "sdpa")
         with torch.no_grad():
             ours = compute_response_logps(model, batch, attention, router_aux=True).aux_loss
-        assert torch.allclose(ours, trl_aux, rtol=1e-5, atol=0), (packs, ours.item(), trl_aux.item())
+        # E x sum over experts of (routed fraction x mean probability), inputs O(1 / E): its size is their scale
+        assert_within(ours, trl_aux, trl_aux.abs().item(), k=K_FORWARD, what=f"aux loss, packs {packs}")
 
     # the router logits we record are the model's own for the same row, and counting the row's tokens
     # once (the model's own aux loss on it) is not TRL's value: the multiplicity is what makes them equal
