@@ -32,7 +32,8 @@ from prefixdpo.dpo.tr_dpo import check_tr_dpo_options
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
-    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, changed_options, check_shared_options, eval_split,
+    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, SequenceParallelOptions, changed_options,
+    check_shared_options, eval_split,
     resolve_before_trainer_args, state_options_without_effect,
 )
 
@@ -43,7 +44,8 @@ def _loss_option(name: str, help_text: str):
 
 
 @dataclass
-class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, TrainingArguments):
+class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, SequenceParallelOptions,
+                      TrainingArguments):
     """Options of `PrefixDPOTrainer` (TRL `DPOConfig` names + prefix-sharing options + TrainingArguments)."""
 
     # ---- TrainingArguments defaults that TRL's DPOConfig changes (TRL's defaults) ----
@@ -181,6 +183,10 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ConfigError(f"ld_alpha={self.ld_alpha}: must be in [0, 1]")
         check_tr_dpo_options(self)
+        if self.sequence_parallel_size > 1 and self.precompute_ref_log_probs:
+            raise ConfigError(f"precompute_ref_log_probs=True is not supported with sequence_parallel_size="
+                              f"{self.sequence_parallel_size} yet (its table is shared out over every rank): run the "
+                              "reference each step (leave it off)")
         resolve_losses(self.loss_type, self.loss_weights)  # names and weights: the loss table's one check
         if self.logprob_chunk_size < 1:
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")

@@ -1,0 +1,134 @@
+"""Sequence parallelism (`core.sequence_parallel`): 2 gloo ranks holding each line between them (DeepSpeed's Ulysses
+all-to-all around every attention call) against one process on the same lines.
+
+Every logged metric of every step and the final weights must match: DPO with sigmoid (unpacked, gradient
+checkpointing on, so every attention's all-to-all also runs in the recompute), a loss coupled across the step's
+pairs (aot, packed), tries (`prefix_tree`); the loss and rewards within K_FORWARD eps x `dpo_loss_scale`, logps
+within K_FORWARD eps of their scale, grad_norm within K eps of itself, counts exactly; weights within K eps x
+`weights_scale` (fp32, SGD). The one-line refusals are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+from conftest import run_processes, tiny_model
+from tolerances import K, K_FORWARD, assert_same_dpo_log, assert_within, weights_scale
+
+BETA = 0.5
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, random, sys
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    sys.path.insert(0, {tests!r})
+    from conftest import finish_ranks, make_examples, tiny_model
+    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
+
+    import gc
+    gc.freeze()
+    out_dir, job = sys.argv[1], sys.argv[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    sp = int(sys.argv[3])
+
+    def flat(model):
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return params[:: max(1, params.numel() // 3000)].tolist()
+
+    def long_examples(n, seed):
+        # prompts of 20-40 tokens, K = 2 or 3 responses of 5-20: every line's targets fall on both ranks
+        from prefixdpo.data.example import Example
+        g = random.Random(seed)
+        out = []
+        for i in range(n):
+            k = 2 + i % 2
+            prompt = [g.randrange(3, 96) for _ in range(g.randrange(20, 41))]
+            responses = [[g.randrange(3, 96) for _ in range(g.randrange(5, 21))] for _ in range(k)]
+            out.append(Example(prompt, responses, pairs=[(0, j) for j in range(1, k)], source_index=i))
+        return out
+
+    def tree_examples():
+        sys.path.insert(0, {tests!r})
+        from test_prefix_tree_training import k_response_records
+        from test_tree import dialogue
+        return k_response_records(prompts=3) + dialogue(random.Random(1), 3) + dialogue(random.Random(2), 3)
+
+    CASES = {{
+        "sigmoid": (lambda: long_examples(6, 0), dict(per_device_train_batch_size=2, gradient_checkpointing=True)),
+        "aot-packed": (lambda: long_examples(8, 1), dict(loss_type=["aot"], packing=True, pack_length=128,
+                                                          per_device_train_batch_size=1)),
+        "sft-combo": (lambda: long_examples(4, 2), dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5],
+                                                         per_device_train_batch_size=2)),
+        "tree": (tree_examples, dict(packing=True, pack_length=48, prefix_tree=True, per_device_train_batch_size=2)),
+    }}
+    results = {{}}
+    for name in job.split(","):
+        data, kw = CASES[name]
+        reference = tiny_model("llama")
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.mul_(0.9)
+        args = PrefixDPOConfig(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.5,
+                               optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+                               disable_tqdm=True, seed=0, beta={beta}, report_to="none",
+                               ddp_backend="gloo" if world > 1 else None, num_train_epochs=1,
+                               sequence_parallel_size=sp, pad_to_multiple_of=2,  # the same lines at any sp
+                               **{{"gradient_checkpointing": False, **kw}})
+        t = PrefixDPOTrainer(model=tiny_model("llama"), ref_model=reference, args=args, train_dataset=data())
+        t.train()
+        results[name] = {{"logs": [h for h in t.state.log_history if "loss" in h], "weights": flat(t.model)}}
+    finish_ranks(rank, out_dir, results)
+    """
+)
+
+# logged numbers compared by kind (the rest are clocks: runtime, per-second rates)
+DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+EXACT_KEYS = ("step", "epoch", "learning_rate", "rewards/accuracies", "prefix_sharing/tokens_saved",
+              "packing/efficiency")
+CLOCKS = ("pairs_per_second", "tokens_per_second", "train_runtime", "train_samples_per_second",
+          "train_steps_per_second")
+
+
+def run_script(tmp_path, nproc: int, job: str, sp: int) -> dict:
+    script = tmp_path / "sp_script.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), beta=BETA))
+    out = tmp_path / f"{job.replace(',', '+')}-np{nproc}-sp{sp}"
+    out.mkdir()
+    run_processes(nproc, str(script), str(out), job, str(sp))
+    return json.loads((out / "result.json").read_text())
+
+
+def assert_same_run(one: dict, other: dict, what: str) -> None:
+    """Every logged metric of every step, and the final weights, of `other` against `one` (module docstring)."""
+    assert len(one["logs"]) == len(other["logs"]) >= 2, what
+    worst = {"loss": 0.0, "weights": 0.0}
+    for a, b in zip(one["logs"], other["logs"]):
+        worst["loss"] = max(worst["loss"], abs(a["loss"] - b["loss"]))
+        assert set(a) == set(b), (what, set(a) ^ set(b))
+        assert_same_dpo_log(a, b, BETA, DPO_KEYS, slope=BETA + 1.0, what=f"{what} step {a['step']}")
+        assert_within(b["grad_norm"], a["grad_norm"], a["grad_norm"], k=K, what=f"{what} grad_norm")
+        for key in EXACT_KEYS:
+            assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), (what, key)
+        assert set(a) - set(DPO_KEYS) - set(EXACT_KEYS) - set(CLOCKS) == {"grad_norm"}, (what, sorted(a))
+    params = torch.cat([p.detach().flatten() for p in tiny_model("llama").parameters()])
+    start = params[:: max(1, params.numel() // 3000)]
+    end = torch.tensor(one["weights"])
+    assert (end - start).abs().max() > 1e-3, what  # training moved the weights
+    assert_within(torch.tensor(other["weights"]), end, weights_scale(start, end), what=f"{what} weights")
+    worst["weights"] = float((torch.tensor(other["weights"]) - end).abs().max())
+    print(f"{what}: max |loss diff| {worst['loss']:.3g}, max |weight diff| {worst['weights']:.3g} "
+          f"(weights' scale {weights_scale(start, end):.3g})")
+
+
+@pytest.mark.parametrize("cases", ["sigmoid,aot-packed", "sft-combo,tree"])
+def test_two_sequence_parallel_ranks_match_one_process(tmp_path, cases):
+    one = run_script(tmp_path, 1, cases, 1)
+    two = run_script(tmp_path, 2, cases, 2)
+    for case in cases.split(","):
+        assert_same_run(one[case], two[case], case)
