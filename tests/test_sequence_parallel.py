@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,3 +133,54 @@ def test_two_sequence_parallel_ranks_match_one_process(tmp_path, cases):
     two = run_script(tmp_path, 2, cases, 2)
     for case in cases.split(","):
         assert_same_run(one[case], two[case], case)
+
+
+def test_refusals_are_one_line_config_errors(monkeypatch):
+    from prefixdpo import PrefixDPOConfig, PrefixRewardConfig
+    from prefixdpo.core import sequence_parallel
+    from prefixdpo.errors import ConfigError
+    from prefixdpo.training.options import check_sequence_parallel
+
+    base = dict(output_dir="unused", use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match="does not divide the 1 launched"):
+        PrefixDPOConfig(sequence_parallel_size=2, **base)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets (a config built here would join no process group)
+    refused = {
+        "prefix_reuse=true is not supported": dict(prefix_reuse=True),
+        "pack_length=45 is not a multiple": dict(packing=True, pack_length=45),
+        "precompute_ref_log_probs=True is not supported": dict(precompute_ref_log_probs=True),
+        "pack_length auto .* does not split": dict(packing=True, size=3),
+    }
+    for message, options in refused.items():
+        args = SimpleNamespace(**{"sequence_parallel_size": 2, "pack_length": "auto", **options})
+        args.sequence_parallel_size = options.get("size", 2)
+        monkeypatch.setenv("WORLD_SIZE", str(args.sequence_parallel_size))
+        with pytest.raises(ConfigError, match=message) as caught:
+            check_sequence_parallel(args)
+        assert "\n" not in str(caught.value)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        PrefixRewardConfig(sequence_parallel_size=0, **base)
+    model = tiny_model("llama")  # 4 attention heads, 2 key/value heads
+    sequence_parallel.check_model(model, 2)
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        sequence_parallel.check_model(model, 3)
+    with pytest.raises(ConfigError, match="does not divide the model's 2 key/value heads"):
+        sequence_parallel.check_model(tiny_model("llama", num_attention_heads=8), 4)
+    with pytest.raises(ConfigError, match="'sinks'"):  # attention sinks (gpt-oss) are per head: not split yet
+        sequence_parallel.attention(None, None, None, None, None, None, None, sinks=torch.zeros(4))
+
+
+def test_lines_pad_to_a_multiple_of_the_group():
+    from conftest import make_examples
+    from prefixdpo.data.batch import build_batch
+    from prefixdpo.data.lines import padded
+
+    batch = build_batch(make_examples(3, ks=(2, 3)))
+    grown = padded(batch, 8, pad_token_id=1)
+    L = batch.input_ids.shape[1]
+    assert grown.input_ids.shape[1] % 8 == 0 and grown.input_ids.shape[1] >= L
+    assert torch.equal(grown.input_ids[:, :L], batch.input_ids) and (grown.input_ids[:, L:] == 1).all()
+    assert (grown.spans[:, L:] == -1).all() and (grown.position_ids[:, L:] == 0).all()
+    assert torch.equal(grown.target_col, batch.target_col)
+    assert padded(grown, 8) is grown

@@ -183,10 +183,6 @@ class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ConfigError(f"ld_alpha={self.ld_alpha}: must be in [0, 1]")
         check_tr_dpo_options(self)
-        if self.sequence_parallel_size > 1 and self.precompute_ref_log_probs:
-            raise ConfigError(f"precompute_ref_log_probs=True is not supported with sequence_parallel_size="
-                              f"{self.sequence_parallel_size} yet (its table is shared out over every rank): run the "
-                              "reference each step (leave it off)")
         resolve_losses(self.loss_type, self.loss_weights)  # names and weights: the loss table's one check
         if self.logprob_chunk_size < 1:
             raise ConfigError(f"logprob_chunk_size={self.logprob_chunk_size}: must be >= 1")

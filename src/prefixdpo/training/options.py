@@ -139,6 +139,10 @@ def check_sequence_parallel(args) -> None:
     if getattr(args, "prefix_reuse", False):
         raise ConfigError(f"prefix_reuse=true is not supported with sequence_parallel_size={size} yet: set one of "
                           "them off")
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise ConfigError(f"precompute_ref_log_probs=True is not supported with sequence_parallel_size={size} yet "
+                          "(its table's rows are shared out over every rank): leave it off (the reference runs each "
+                          "step)")
     if getattr(args, "packing", False):
         length = args.pack_length
         if str(length) == "auto" and 128 % size:
