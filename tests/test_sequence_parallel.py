@@ -68,8 +68,24 @@ SCRIPT = textwrap.dedent(
                                                          per_device_train_batch_size=2)),
         "tree": (tree_examples, dict(packing=True, pack_length=48, prefix_tree=True, per_device_train_batch_size=2)),
     }}
+    def reward_run(name, **kw):
+        from test_reward_scores import tiny_reward_model
+        from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
+        args = PrefixRewardConfig(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.05,
+                                  optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+                                  disable_tqdm=True, seed=0, report_to="none", gradient_checkpointing=False,
+                                  center_rewards_coefficient=0.01, ddp_backend="gloo" if world > 1 else None,
+                                  num_train_epochs=1, sequence_parallel_size=sp, pad_to_multiple_of=2, **kw)
+        t = PrefixRewardTrainer(model=tiny_reward_model("llama"), args=args, train_dataset=long_examples(6, 3))
+        t.train()
+        return {{"logs": [h for h in t.state.log_history if "loss" in h], "weights": flat(t.model)}}
+
     results = {{}}
     for name in job.split(","):
+        if name.startswith("reward"):
+            packed = dict(packing=True, pack_length=128) if name == "reward-packed" else {{}}
+            results[name] = reward_run(name, per_device_train_batch_size=2, **packed)
+            continue
         data, kw = CASES[name]
         reference = tiny_model("llama")
         with torch.no_grad():
@@ -184,3 +200,28 @@ def test_lines_pad_to_a_multiple_of_the_group():
     assert (grown.spans[:, L:] == -1).all() and (grown.position_ids[:, L:] == 0).all()
     assert torch.equal(grown.target_col, batch.target_col)
     assert padded(grown, 8) is grown
+
+
+def test_reward_model_on_two_sequence_parallel_ranks_matches_one_process(tmp_path):
+    from test_reward_scores import tiny_reward_model
+    from test_reward_trainer import assert_same_reward_log
+
+    cases = "reward,reward-packed"
+    one = run_script(tmp_path, 1, cases, 1)
+    two = run_script(tmp_path, 2, cases, 2)
+    model = tiny_reward_model("llama")
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    start = params[:: max(1, params.numel() // 3000)]
+    for case in cases.split(","):
+        a_logs, b_logs = one[case]["logs"], two[case]["logs"]
+        assert len(a_logs) == len(b_logs) >= 2
+        for a, b in zip(a_logs, b_logs):
+            assert set(a) == set(b)
+            assert_same_reward_log(b, a, model, what=f"{case} step {a['step']}")
+            for key in ("accuracy", "packing/efficiency", "prefix_sharing/tokens_saved", "epoch", "step"):
+                assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), (case, key)
+        end = torch.tensor(one[case]["weights"])
+        assert (end - start).abs().max() > 1e-4, case
+        assert_within(torch.tensor(two[case]["weights"]), end, weights_scale(start, end), what=f"{case} weights")
+        print(f"{case}: max |loss diff| {max(abs(a['loss'] - b['loss']) for a, b in zip(a_logs, b_logs)):.3g}, "
+              f"max |weight diff| {float((torch.tensor(two[case]['weights']) - end).abs().max()):.3g}")
