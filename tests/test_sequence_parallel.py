@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import run_processes, tiny_model
-from tolerances import K, K_FORWARD, assert_same_dpo_log, assert_within, weights_scale
+from tolerances import K, assert_same_dpo_log, assert_within, weights_scale
 
 BETA = 0.5
 
