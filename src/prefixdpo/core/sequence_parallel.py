@@ -49,6 +49,10 @@ class SequenceParallel:
     def __deepcopy__(self, memo):  # a model copied with its group shares it (a process group cannot be copied)
         return self
 
+    def attend(self, attend, module, query, key, value, mask, **kwargs):
+        """`attention` over this group (what `backends.prefix_attention_forward` calls)."""
+        return attention(self, attend, module, query, key, value, mask, **kwargs)
+
     def local_length(self, length: int) -> int:
         """Columns this rank holds of a line of `length` (which the loader made a multiple of `size`)."""
         if length % self.size:

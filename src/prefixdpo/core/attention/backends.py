@@ -54,9 +54,7 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
     """
     sp = getattr(attention_mask, "sequence_parallel", None)
     if sp is not None:
-        from prefixdpo.core import sequence_parallel
-
-        return sequence_parallel.attention(sp, _line_attention, module, query, key, value, attention_mask, **kwargs)
+        return sp.attend(_line_attention, module, query, key, value, attention_mask, **kwargs)
     return _line_attention(module, query, key, value, attention_mask, **kwargs)
 
 
