@@ -63,6 +63,9 @@ SCRIPT = textwrap.dedent(
     CASES = {{
         "sigmoid": (lambda: long_examples(6, 0), dict(per_device_train_batch_size=2, gradient_checkpointing=True)),
         "small": (lambda: long_examples(4, 4), dict(per_device_train_batch_size=2)),
+        "fsdp": (lambda: long_examples(4, 4), dict(per_device_train_batch_size=2, fsdp="full_shard auto_wrap",
+                                                    fsdp_config={{"version": 2,
+                                                                  "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})),
         "aot-packed": (lambda: long_examples(8, 1), dict(loss_type=["aot"], packing=True, pack_length=128,
                                                           per_device_train_batch_size=1)),
         "sft-combo": (lambda: long_examples(4, 2), dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5],
@@ -101,7 +104,9 @@ SCRIPT = textwrap.dedent(
                                **{{"gradient_checkpointing": False, **kw}})
         t = PrefixDPOTrainer(model=tiny_model("llama"), ref_model=reference, args=args, train_dataset=data())
         t.train()
-        results[name] = {{"logs": [h for h in t.state.log_history if "loss" in h], "weights": flat(t.model)}}
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in t.model.parameters()]
+        results[name] = {{"logs": [h for h in t.state.log_history if "loss" in h],
+                          "weights": flat(torch.nn.ParameterList(params)), "engine": t.engine_description}}
     finish_ranks(rank, out_dir, results)
     """
 )
@@ -236,3 +241,11 @@ def test_sequence_parallel_times_data_parallel_matches_one_process(tmp_path):
     one = run_script(tmp_path, 1, "small", 1)
     four = run_script(tmp_path, 4, "small", 2)
     assert_same_run(one["small"], four["small"], "2 x 2 ranks", exact=tuple(set(EXACT_KEYS) - {"packing/efficiency"}))
+
+
+def test_sequence_parallel_under_fsdp2_matches_one_process(tmp_path):
+    """2 gloo ranks: one sequence-parallel group, its model sharded over the same 2 ranks by FSDP2."""
+    one = run_script(tmp_path, 1, "small", 1)
+    two = run_script(tmp_path, 2, "fsdp", 2)
+    assert two["fsdp"]["engine"].startswith("FSDP2 over 2 processes"), two["fsdp"]["engine"]
+    assert_same_run(one["small"], two["fsdp"], "FSDP2 x sequence parallel")
