@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,16 +157,18 @@ def test_two_sequence_parallel_ranks_match_one_process(tmp_path, cases):
         assert_same_run(one[case], two[case], case)
 
 
-def test_refusals_are_one_line_config_errors(monkeypatch):
-    from prefixdpo import PrefixDPOConfig, PrefixRewardConfig
+def test_refusals_are_one_line_config_errors():
+    from conftest import make_examples
+    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig
     from prefixdpo.core import sequence_parallel
     from prefixdpo.errors import ConfigError
-    from prefixdpo.training.options import check_sequence_parallel
 
     base = dict(output_dir="unused", use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match="does not divide the 1 launched"):  # when the trainer builds the groups
+        sequence_parallel.check_size(2)
     with pytest.raises(ConfigError, match="does not divide the 1 launched"):
-        PrefixDPOConfig(sequence_parallel_size=2, **base)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets (a config built here would join no process group)
+        PrefixDPOTrainer(model=tiny_model("llama"), args=PrefixDPOConfig(sequence_parallel_size=2, **base),
+                         train_dataset=make_examples(2))
     refused = {
         "prefix_reuse=true is not supported": dict(prefix_reuse=True),
         "pack_length=45 is not a multiple": dict(packing=True, pack_length=45),
@@ -175,13 +176,10 @@ def test_refusals_are_one_line_config_errors(monkeypatch):
         "pack_length auto .* does not split": dict(packing=True, size=3),
     }
     for message, options in refused.items():
-        args = SimpleNamespace(**{"sequence_parallel_size": 2, "pack_length": "auto", **options})
-        args.sequence_parallel_size = options.get("size", 2)
-        monkeypatch.setenv("WORLD_SIZE", str(args.sequence_parallel_size))
+        options = {"sequence_parallel_size": options.pop("size", 2), **options}
         with pytest.raises(ConfigError, match=message) as caught:
-            check_sequence_parallel(args)
+            PrefixDPOConfig(**base, **options)
         assert "\n" not in str(caught.value)
-    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="must be >= 1"):
         PrefixRewardConfig(sequence_parallel_size=0, **base)
     model = tiny_model("llama")  # 4 attention heads, 2 key/value heads

@@ -43,9 +43,12 @@ def test_grpo_on_two_sequence_parallel_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["PrefixGRPOConfig", "PrefixRLOOConfig"])
-def test_grpo_options_refused_with_sequence_parallelism(config, monkeypatch):
+def test_grpo_options_refused_with_sequence_parallelism(config):
     import prefixdpo.grpo as grpo
     from prefixdpo.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="does not divide the 1 launched"):
-        getattr(grpo, config)(output_dir="unused", use_cpu=True, report_to="none", sequence_parallel_size=2)
+    base = dict(output_dir="unused", use_cpu=True, report_to="none", sequence_parallel_size=2)
+    with pytest.raises(ConfigError, match="runs the prefix-shared passes: set prefix_sharing true"):
+        getattr(grpo, config)(prefix_sharing=False, **base)
+    with pytest.raises(ConfigError, match="prefix_reuse=true is not supported"):
+        getattr(grpo, config)(prefix_reuse=True, **base)

@@ -130,11 +130,10 @@ class SequenceParallelOptions:
 
 def check_sequence_parallel(args) -> None:
     """One-line ConfigErrors for `sequence_parallel_size` and the options it cannot run with yet."""
-    from prefixdpo.core.sequence_parallel import check_size
-
     size = args.sequence_parallel_size
-    check_size(size)
-    if size == 1:
+    if size < 1:
+        raise ConfigError(f"sequence_parallel_size={size}: must be >= 1")
+    if size == 1:  # whether it divides the launched processes: when the trainer builds the groups
         return
     if getattr(args, "prefix_reuse", False):
         raise ConfigError(f"prefix_reuse=true is not supported with sequence_parallel_size={size} yet: set one of "
