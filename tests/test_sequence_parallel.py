@@ -60,15 +60,16 @@ SCRIPT = textwrap.dedent(
         return k_response_records(prompts=3) + dialogue(random.Random(1), 3) + dialogue(random.Random(2), 3)
 
     CASES = {{
-        "sigmoid": (lambda: long_examples(6, 0), dict(per_device_train_batch_size=2, gradient_checkpointing=True)),
+        "sigmoid": (lambda: long_examples(4, 0), dict(per_device_train_batch_size=2, gradient_checkpointing=True)),
         "small": (lambda: long_examples(4, 4), dict(per_device_train_batch_size=2)),
         "fsdp": (lambda: long_examples(4, 4), dict(per_device_train_batch_size=2, fsdp="full_shard auto_wrap",
                                                     fsdp_config={{"version": 2,
                                                                   "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})),
-        "aot-packed": (lambda: long_examples(8, 1), dict(loss_type=["aot"], packing=True, pack_length=128,
+        "aot-packed": (lambda: long_examples(6, 1), dict(loss_type=["aot"], packing=True, pack_length=128,
                                                           per_device_train_batch_size=1)),
         "sft-combo": (lambda: long_examples(4, 2), dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5],
-                                                         per_device_train_batch_size=2)),
+                                                         per_device_train_batch_size=2, eval_strategy="epoch",
+                                                         per_device_eval_batch_size=2)),
         "tree": (tree_examples, dict(packing=True, pack_length=48, prefix_tree=True, per_device_train_batch_size=2)),
     }}
     def reward_run(name, **kw):
@@ -101,10 +102,13 @@ SCRIPT = textwrap.dedent(
                                ddp_backend="gloo" if world > 1 else None, num_train_epochs=1,
                                sequence_parallel_size=sp, pad_to_multiple_of=2,  # the same lines at any sp
                                **{{"gradient_checkpointing": False, **kw}})
-        t = PrefixDPOTrainer(model=tiny_model("llama"), ref_model=reference, args=args, train_dataset=data())
+        evals = long_examples(3, 9) if args.eval_strategy != "no" else None
+        t = PrefixDPOTrainer(model=tiny_model("llama"), ref_model=reference, args=args, train_dataset=data(),
+                             eval_dataset=evals)
         t.train()
         params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in t.model.parameters()]
         results[name] = {{"logs": [h for h in t.state.log_history if "loss" in h],
+                          "evals": [h for h in t.state.log_history if "eval_loss" in h],
                           "weights": flat(torch.nn.ParameterList(params)), "engine": t.engine_description}}
     finish_ranks(rank, out_dir, results)
     """
@@ -139,6 +143,11 @@ def assert_same_run(one: dict, other: dict, what: str, exact=EXACT_KEYS) -> None
         for key in exact:
             assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), (what, key)
         assert set(a) - set(DPO_KEYS) - set(EXACT_KEYS) - set(CLOCKS) == {"grad_norm"}, (what, sorted(a))  # all
+    assert len(one["evals"]) == len(other["evals"])
+    for a, b in zip(one["evals"], other["evals"]):  # evaluation: its loss, rewards and log-probs, and its counts
+        assert_same_dpo_log(a, b, BETA, DPO_KEYS, prefix="eval_", slope=BETA + 1.0, what=f"{what} eval")
+        for key in ("eval_rewards/accuracies", "eval_packing/efficiency", "eval_prefix_sharing/tokens_saved"):
+            assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), (what, key)
     params = torch.cat([p.detach().flatten() for p in tiny_model("llama").parameters()])
     start = params[:: max(1, params.numel() // 3000)]
     end = torch.tensor(one["weights"])
@@ -155,6 +164,9 @@ def test_two_sequence_parallel_ranks_match_one_process(tmp_path, cases):
     two = run_script(tmp_path, 2, cases, 2)
     for case in cases.split(","):
         assert_same_run(one[case], two[case], case)
+        assert "sequence parallel: 1 group(s) of 2 ranks per line" in two[case]["engine"]
+    if "sft-combo" in one:
+        assert len(one["sft-combo"]["evals"]) == 1  # its evaluation ran, and was compared
 
 
 def test_refusals_are_one_line_config_errors():
