@@ -1,4 +1,4 @@
-"""GRPO with sequence parallelism: 2 gloo ranks, each line of every log-prob pass (policy, old policy, reference)
+"""GRPO and RLOO with sequence parallelism: 2 gloo ranks, each line of every log-prob pass (policy, old policy, reference)
 held by both (`sequence_parallel_size=2`), against one process with the same global batch.
 
 TRL deals different prompts to the two ranks; the group runs each rank's rows in turn, both together
@@ -23,6 +23,32 @@ if world > 1:
     results = {{"sp": run("sp", 4, sequence_parallel_size=2)}}
 else:
     results = {{"one": run("one", 8)}}""")
+
+
+# RLOO: TRL's RLOO trainer takes no rollout_func, so each rank samples with its own seed: 2 sequence-parallel ranks
+# against 2 DDP ranks, which sample the same completions (the run sequence parallelism must reproduce)
+RLOO_SCRIPT = (SCRIPT.replace("PrefixGRPOConfig", "PrefixRLOOConfig").replace("PrefixGRPOTrainer", "PrefixRLOOTrainer")
+               .replace(', loss_type="dapo"', "").replace("rollout_func=rollout, ", "")
+               .replace(ONE_OR_SP, """
+results = {{"run": run("run", 4, sequence_parallel_size=int(sys.argv[3]))}}"""))
+
+
+def test_rloo_on_two_sequence_parallel_ranks_equals_two_ddp_ranks(tmp_path):
+    from grpo_common import saved_tiny_model
+
+    for piece in (', loss_type="dapo"', "rollout_func=rollout, "):
+        assert piece in SCRIPT  # what the RLOO script drops
+    model_dir = saved_tiny_model(tmp_path / "model")
+    script = tmp_path / "script.py"
+    script.write_text(RLOO_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    results = {}
+    for sp in (1, 2):
+        out = tmp_path / f"sp{sp}"
+        out.mkdir()
+        run_processes(2, str(script), str(out), model_dir, str(sp))
+        results[sp] = json.loads((out / "result.json").read_text())["run"]
+    worst = _same_training(results[1], results[2])
+    print(f"REPORT rloo sequence parallel 2 ranks vs 2 DDP ranks: worst metric difference {worst:.2f} eps x its scale")
 
 
 def test_grpo_on_two_sequence_parallel_ranks_equals_one_process(tmp_path):

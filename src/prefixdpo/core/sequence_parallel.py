@@ -181,6 +181,10 @@ def new_sequence_parallel(size: int) -> SequenceParallel | None:
         raise ConfigError("sequence_parallel_size > 1 runs on DeepSpeed's Ulysses all-to-all: pip install "
                           "deepspeed") from None
     if not deepspeed.comm.is_initialized():
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce kernel first (measured: 2 minutes when its
+            # build is not cached); only its all-to-all runs here, through torch.distributed
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     key = (size, world)
