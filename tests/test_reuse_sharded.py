@@ -1,0 +1,209 @@
+"""Prefix reuse under FSDP2 and DeepSpeed ZeRO-3 (2 gloo ranks, CPU, fp32) against one process.
+
+FSDP2 and ZeRO-3 gather each layer's weights at each call of it, on every rank together, so every rank must make the
+same model calls; prefix reuse makes as many as a rank's own lines need (a prefix pass and chunk passes per long
+line, the chunks but the last recomputed in backward, one pass for the lines that fit). The ranks agree on the shape
+of the passes (`prefix_reuse.agreed_shape`) and a rank with less runs stand-in passes that add exact zeros.
+
+The data make the ranks' shapes differ at every step (budget 8 tokens a pass; global batch 4, 2 per rank, file order):
+  step 1  rank 0: a line of 3 chunks and a line that fits whole   rank 1: lines of 1 and 2 chunks (nothing whole)
+  step 2  rank 0: a line of 2 chunks                              rank 1: no example (a stand-in micro-batch)
+and two epochs (4 steps). Every logged metric within K_FORWARD eps x its magnitudes (`assert_same_dpo_log`) and
+the final weights within K eps x `weights_scale` of one process with prefix reuse on, which itself equals one process
+with one row per example (no reuse). Each launch also reports each pass's own and agreed shapes per rank, so the test
+sees that the shapes differed and the passes agreed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import free_port
+from tolerances import K_FORWARD, assert_same_dpo_log, assert_within, max_diff, weights_scale
+
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from conftest import finish_ranks, tiny_model
+
+    out_dir, engine = sys.argv[1], sys.argv[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    init = os.path.join(out_dir, "..", "init")
+    if engine == "none":  # the one-process run writes the starting weights every run loads
+        tiny_model("llama").save_pretrained(init)
+
+    import gc
+    from transformers import AutoModelForCausalLM
+    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
+    from prefixdpo.core import prefix_reuse
+    from prefixdpo.core.engines import sharded_parameter_count
+    from prefixdpo.core.engines_deepspeed import zero3_partition_counts
+    from prefixdpo.core.model_checks import unwrap
+    from prefixdpo.core.rank_decisions import gather
+    from prefixdpo.data.example import Example
+
+    gc.freeze()  # Trainer.train runs gc.collect(); what is imported so far need not be scanned each time
+    shapes = []  # (this rank's own shape, the agreed one) of every prefix-reuse forward
+    agreed_shape = prefix_reuse.agreed_shape
+
+    def spy(reuse, device):
+        own = ([plan is None for plan in reuse.plans], [0 if p is None else len(p.chunks) for p in reuse.plans])
+        agreed = agreed_shape(reuse, device)
+        shapes.append([own, [agreed[0], agreed[1]]])
+        return agreed
+
+    prefix_reuse.agreed_shape = spy
+
+    def example(i, prompt, responses):
+        ids = lambda n, s: [3 + (7 * i + 5 * s + 11 * t) % 90 for t in range(n)]
+        return Example(ids(prompt, 0), [ids(n, k + 1) for k, n in enumerate(responses)],
+                       pairs=[(0, k) for k in range(1, len(responses))], source_index=i)
+
+    # budget 8: chunks of whole responses up to 8 tokens after the prompt (`reuse_plan.plan_line`)
+    EXAMPLES = [example(0, 6, (5, 5, 5)),  # 3 chunks
+                example(1, 5, (4, 3)),  # 12 tokens: 1 chunk
+                example(2, 3, (2, 2)),  # 7 tokens: fits whole
+                example(3, 4, (6, 5)),  # 2 chunks
+                example(4, 7, (4, 5))]  # 2 chunks, alone in the last step
+    FSDP = dict(fsdp="full_shard auto_wrap",
+                fsdp_config={{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})
+    ZERO3 = {{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+              "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                                     "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}}}
+
+    def full_params(model):
+        params = list(model.parameters())
+        if hasattr(params[0], "ds_id"):
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(params):
+                return torch.cat([p.detach().flatten() for p in params]).tolist()
+        return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+                          for p in params]).tolist()
+
+    def run(name, **kw):
+        args = PrefixDPOConfig(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.5,
+                               optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+                               disable_tqdm=True, seed=0, beta=0.5, report_to="none",
+                               ddp_backend="gloo" if world > 1 else None, per_device_train_batch_size=4 // world,
+                               num_train_epochs=2, train_sampling_strategy="sequential",
+                               gradient_checkpointing=False, **kw)
+        # loaded after the DeepSpeed config exists: under ZeRO-3, transformers loads it partitioned (zero.Init)
+        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+        t = PrefixDPOTrainer(model=model, train_dataset=EXAMPLES, args=args)
+        t.train()
+        policy = unwrap(t.model_wrapped)
+        sharded = zero3_partition_counts(policy) if engine == "zero3" else sharded_parameter_count(policy)
+        return {{"logs": [h for h in t.state.log_history if "loss" in h], "params": full_params(policy),
+                 "engine": type(t.model_wrapped).__name__, "sharded": list(sharded)}}
+
+    reuse = dict(prefix_reuse=True, max_tokens_per_pass="8")
+    results = {{}}
+    if engine == "none":
+        results["one-row"] = run("one-row")
+        shapes.clear()
+    results["reused"] = run("reused", **reuse, **(FSDP if engine == "fsdp" else {{}}),
+                            **({{"deepspeed": ZERO3}} if engine == "zero3" else {{}}))
+    results["shapes"] = gather(shapes)
+    finish_ranks(rank, out_dir, results)
+    """
+)
+
+
+def _run(tmp_path, engine: str) -> dict:
+    script = tmp_path / "reuse_sharded_script.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / engine
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    launcher = [] if engine == "none" else ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                            "--master_port", free_port()]
+    proc = subprocess.run([sys.executable, *launcher, str(script), str(out), engine], env=env, capture_output=True,
+                          text=True, timeout=600)
+    ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+    assert proc.returncode == 0, (ranks or proc.stdout + proc.stderr)[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reuse-sharded")
+    return tmp, _run(tmp, "none")
+
+
+def _same_training(base: dict, got: dict, what: str) -> dict:
+    """`got` trained as `base` did: every logged metric and the final weights within bounds; -> the max diffs."""
+    assert len(base["logs"]) == len(got["logs"]) == 4, what  # 2 steps per epoch, 2 epochs
+    diffs = {}
+    for a, b in zip(base["logs"], got["logs"]):
+        assert_same_dpo_log(a, b, 0.5, METRICS, what=f"{what} step {a['step']}")
+        for key in METRICS:
+            diffs[key] = max(diffs.get(key, 0.0), max_diff(a[key], b[key]))
+    start = torch.cat([p.detach().flatten() for p in _initial_model().parameters()])
+    end = torch.tensor(base["params"])
+    assert end.numel() == len(got["params"]) == start.numel(), what
+    diffs["weights"] = assert_within(torch.tensor(got["params"]), end, weights_scale(start, end), what=f"{what} weights")
+    return diffs
+
+
+def _initial_model():
+    from conftest import tiny_model
+
+    return tiny_model("llama")
+
+
+def _check_shapes(shapes: list) -> None:
+    """Both ranks ran the same agreed passes, and their own shapes differed at the steps the data set up."""
+    assert len(shapes) == 2 and len(shapes[0]) == len(shapes[1]) > 0
+    own_differ = 0
+    for (own0, agreed0), (own1, agreed1) in zip(*shapes):
+        assert agreed0 == agreed1
+        own_differ += own0 != own1
+    assert own_differ == len(shapes[0])  # every pass: the ranks' own shapes differed
+    owns = {json.dumps(own) for own, _ in shapes[1]}
+    # rank 1: lines of 1 and 2 chunks (step 1), and the stand-in micro-batch (step 2: one line that fits)
+    assert owns == {json.dumps([[False, False], [1, 2]]), json.dumps([[True], [0]])}, owns
+    agreed = {json.dumps(a) for _, a in shapes[0]}
+    assert agreed == {json.dumps([True, [3, 2]]), json.dumps([True, [2]])}, agreed
+
+
+def test_prefix_reuse_in_one_process_equals_one_row(one_process):
+    _, one = one_process
+    diffs = _same_training(one["one-row"], one["reused"], "one process, reused vs one row")
+    print("one process, reused vs one row, max diffs:", diffs)
+    assert one["reused"]["logs"][-1]["loss"] != pytest.approx(one["reused"]["logs"][0]["loss"], rel=1e-3)  # trained
+
+
+def test_prefix_reuse_fsdp2_two_ranks_equal_one_process(one_process):
+    tmp, one = one_process
+    two = _run(tmp, "fsdp")
+    assert two["reused"]["engine"] == "FSDPLlamaForCausalLM", two["reused"]["engine"]
+    sharded, params = two["reused"]["sharded"]
+    assert sharded == params > 0  # every parameter a DTensor sharded over the 2 ranks
+    _check_shapes(two["shapes"])
+    diffs = _same_training(one["reused"], two["reused"], "FSDP2")
+    print("FSDP2 2 ranks vs 1 process, max diffs:", diffs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_prefix_reuse_zero3_two_ranks_equal_one_process(one_process):
+    tmp, one = one_process
+    two = _run(tmp, "zero3")
+    assert two["reused"]["engine"] == "DeepSpeedEngine", two["reused"]["engine"]
+    partitioned, params = two["reused"]["sharded"]
+    assert partitioned == params > 0  # every policy parameter holds only its partition on the rank
+    _check_shapes(two["shapes"])
+    diffs = _same_training(one["reused"], two["reused"], "ZeRO-3")
+    print("ZeRO-3 2 ranks vs 1 process, max diffs:", diffs)
