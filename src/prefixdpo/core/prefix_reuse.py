@@ -16,8 +16,26 @@ of the prefix). Without gradient (a reference pass) nothing is
 recomputed: the prefix runs once, each chunk once.
 
 The plan (`core.attention.reuse_plan`: the prefix, the chunks) stands where the batch's attention mask stands, so
-every pass over a micro-batch (policy, reference, pre-pass) runs it. Every model call happens inside the one forward of the module the engine wraps (`forward.through_engine`), so
-DDP, FSDP2 and ZeRO-3 see one call per pass, as for a one-row pass.
+every pass over a micro-batch (policy, reference, pre-pass) runs it. Every model call happens inside the one forward
+of the module the engine wraps (`forward.through_engine`), so DDP sees one call per pass, as for a one-row pass.
+
+FSDP2 and ZeRO-3 also gather each layer's weights at each call of the layer, on every rank together (and again in
+backward, for the layer's backward and a checkpointed chunk's recomputation), so every rank must make the same
+sequence of layer calls, while each rank's own lines need their own passes. With several ranks every micro-batch
+therefore gets a plan (`aligned`, also where all its lines fit), and before running it the ranks agree on its shape
+(`agreed_shape`, two all-reduces of a few ints): whether a pass over the lines that fit runs, how many lines are
+reused, and each one's number of chunk passes, the maximum over the ranks of each. A rank with less runs stand-in
+passes in their places: a one-token whole pass, a reused line of a one-token prefix, one-token chunks reading the
+(real or stand-in) prefix's K/V after a line's real chunks, checkpointed as real chunks are (all but the last
+chunk pass of a line). Their outputs are added to the hidden states as `x.sum() * 0`: exactly zero, while their
+backward runs, so autograd's backward order, and with it FSDP2's and ZeRO-3's gathers in backward, is the same on
+every rank. A rank-balancing empty micro-batch (its stand-in line, `loader.stand_in_batch`) and the no-grad
+reference pass take the same path. Under FSDP2 with `reshard_after_forward` (the default, FULL_SHARD) each pass
+gathers each layer again: one all-gather per layer per pass in forward, one per layer per pass in backward (a
+chunk's recomputation shares its backward's), measured on 2 gloo ranks; the gradients are still reduce-scattered
+once per layer per micro-batch. With `reshard_after_forward=False` (SHARD_GRAD_OP) the forward passes share one
+all-gather per layer, which stays gathered until its first backward; backward gathers it again for every pass
+after the first.
 """
 
 from __future__ import annotations
