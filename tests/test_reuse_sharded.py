@@ -8,9 +8,10 @@ of the passes (`prefix_reuse.agreed_shape`) and a rank with less runs stand-in p
 The data make the ranks' shapes differ at every step (budget 8 tokens a pass; global batch 4, 2 per rank, file order):
   step 1  rank 0: a line of 3 chunks and a line that fits whole   rank 1: lines of 1 and 2 chunks (nothing whole)
   step 2  rank 0: a line of 2 chunks                              rank 1: no example (a stand-in micro-batch)
-and two epochs (4 steps). Every logged metric within K_FORWARD eps x its magnitudes (`assert_same_dpo_log`) and
-the final weights within K eps x `weights_scale` of one process with prefix reuse on, which itself equals one process
-with one row per example (no reuse). Each launch also reports each pass's own and agreed shapes per rank, so the test
+Every logged metric within K_FORWARD eps x its magnitudes (`assert_same_dpo_log`) and the final weights within K eps x
+`weights_scale` of one process with prefix reuse on, which itself equals one process with one row per example (no
+reuse); the reward trainer on the same data under FSDP2 likewise (`assert_same_reward_log`). Without the agreement the
+FSDP2 run aborts in its first step (gloo: "Received data size doesn't match expected size"). Each launch also reports each pass's own and agreed shapes per rank, so the test
 sees that the shapes differed and the passes agreed.
 """
 
@@ -26,7 +27,7 @@ import textwrap
 import pytest
 import torch
 from conftest import free_port
-from tolerances import K_FORWARD, assert_same_dpo_log, assert_within, max_diff, weights_scale
+from tolerances import assert_same_dpo_log, assert_within, max_diff, weights_scale
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -98,7 +99,7 @@ SCRIPT = textwrap.dedent(
                                optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
                                disable_tqdm=True, seed=0, beta=0.5, report_to="none",
                                ddp_backend="gloo" if world > 1 else None, per_device_train_batch_size=4 // world,
-                               num_train_epochs=2, train_sampling_strategy="sequential",
+                               num_train_epochs=1, train_sampling_strategy="sequential",
                                gradient_checkpointing=False, **kw)
         # loaded after the DeepSpeed config exists: under ZeRO-3, transformers loads it partitioned (zero.Init)
         model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
@@ -109,6 +110,21 @@ SCRIPT = textwrap.dedent(
         return {{"logs": [h for h in t.state.log_history if "loss" in h], "params": full_params(policy),
                  "engine": type(t.model_wrapped).__name__, "sharded": list(sharded)}}
 
+    def reward_run(name, **kw):
+        # the reward trainer's passes: scores at each response's end through the same core forward
+        from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
+        from test_reward_scores import tiny_reward_model
+        args = PrefixRewardConfig(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.05,
+                                  optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
+                                  disable_tqdm=True, seed=0, report_to="none", ddp_backend="gloo" if world > 1 else None,
+                                  per_device_train_batch_size=4 // world, num_train_epochs=1,
+                                  train_sampling_strategy="sequential", gradient_checkpointing=False, **kw)
+        t = PrefixRewardTrainer(model=tiny_reward_model("llama"), train_dataset=EXAMPLES, args=args)
+        t.train()
+        policy = unwrap(t.model_wrapped)
+        return {{"logs": [h for h in t.state.log_history if "loss" in h], "params": full_params(policy),
+                 "sharded": list(sharded_parameter_count(policy))}}
+
     reuse = dict(prefix_reuse=True, max_tokens_per_pass="8")
     results = {{}}
     if engine == "none":
@@ -116,6 +132,8 @@ SCRIPT = textwrap.dedent(
         shapes.clear()
     results["reused"] = run("reused", **reuse, **(FSDP if engine == "fsdp" else {{}}),
                             **({{"deepspeed": ZERO3}} if engine == "zero3" else {{}}))
+    if engine != "zero3":
+        results["reward-reused"] = reward_run("reward-reused", **reuse, **(FSDP if engine == "fsdp" else {{}}))
     results["shapes"] = gather(shapes)
     finish_ranks(rank, out_dir, results)
     """
@@ -145,7 +163,7 @@ def one_process(tmp_path_factory):
 
 def _same_training(base: dict, got: dict, what: str) -> dict:
     """`got` trained as `base` did: every logged metric and the final weights within bounds; -> the max diffs."""
-    assert len(base["logs"]) == len(got["logs"]) == 4, what  # 2 steps per epoch, 2 epochs
+    assert len(base["logs"]) == len(got["logs"]) == 2, what  # 5 examples, global batch 4: 4 + 1
     diffs = {}
     for a, b in zip(base["logs"], got["logs"]):
         assert_same_dpo_log(a, b, 0.5, METRICS, what=f"{what} step {a['step']}")
@@ -154,7 +172,30 @@ def _same_training(base: dict, got: dict, what: str) -> dict:
     start = torch.cat([p.detach().flatten() for p in _initial_model().parameters()])
     end = torch.tensor(base["params"])
     assert end.numel() == len(got["params"]) == start.numel(), what
-    diffs["weights"] = assert_within(torch.tensor(got["params"]), end, weights_scale(start, end), what=f"{what} weights")
+    assert_within(torch.tensor(got["params"]), end, weights_scale(start, end), what=f"{what} weights")
+    diffs["weights"] = max_diff(got["params"], end)
+    return diffs
+
+
+def _same_reward_training(base: dict, got: dict) -> dict:
+    """The reward runs: every logged metric (`assert_same_reward_log`) and the final weights within bounds, every
+    parameter sharded under FSDP2; -> the max diffs."""
+    from test_reward_scores import tiny_reward_model
+    from test_reward_trainer import assert_same_reward_log
+
+    model = tiny_reward_model("llama")
+    assert len(base["logs"]) == len(got["logs"]) == 2
+    sharded, params = got["sharded"]
+    assert sharded == params > 0  # the score head too
+    diffs = {}
+    for a, b in zip(base["logs"], got["logs"]):
+        assert_same_reward_log(a, b, model, what=f"reward step {a['step']}")
+        for key in ("loss", "mean_reward", "margin"):
+            diffs[key] = max(diffs.get(key, 0.0), max_diff(a[key], b[key]))
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
+    end = torch.tensor(base["params"])
+    assert_within(torch.tensor(got["params"]), end, weights_scale(start, end), what="reward weights")
+    diffs["weights"] = max_diff(got["params"], end)
     return diffs
 
 
@@ -195,6 +236,7 @@ def test_prefix_reuse_fsdp2_two_ranks_equal_one_process(one_process):
     _check_shapes(two["shapes"])
     diffs = _same_training(one["reused"], two["reused"], "FSDP2")
     print("FSDP2 2 ranks vs 1 process, max diffs:", diffs)
+    print("FSDP2 reward model, max diffs:", _same_reward_training(one["reward-reused"], two["reward-reused"]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
