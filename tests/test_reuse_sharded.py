@@ -11,7 +11,8 @@ The data make the ranks' shapes differ at every step (budget 8 tokens a pass; gl
 Every logged metric within K_FORWARD eps x its magnitudes (`assert_same_dpo_log`) and the final weights within K eps x
 `weights_scale` of one process with prefix reuse on, which itself equals one process with one row per example (no
 reuse); the reward trainer on the same data under FSDP2 likewise (`assert_same_reward_log`). Without the agreement the
-FSDP2 run aborts in its first step (gloo: "Received data size doesn't match expected size"). Each launch also reports each pass's own and agreed shapes per rank, so the test
+FSDP2 run aborts in its first step (gloo: "Received data size doesn't match expected size"). And FSDP2's gathers
+per pass, counted, with reshard_after_forward on and off (what docs/prefix-reuse.md says of them). Each launch also reports each pass's own and agreed shapes per rank, so the test
 sees that the shapes differed and the passes agreed.
 """
 
@@ -155,6 +156,57 @@ def _run(tmp_path, engine: str) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+GATHER_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from conftest import finish_ranks, tiny_model
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.forward import compute_response_logps
+    from prefixdpo.data.batch import build_batch
+    from prefixdpo.data.example import Example
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    counts = {{"all_gather": 0, "reduce_scatter": 0}}
+    gather, reduce = param_group.foreach_all_gather, param_group.foreach_reduce
+
+    def counting_gather(*args, **kw):
+        counts["all_gather"] += 1
+        return gather(*args, **kw)
+
+    def counting_reduce(*args, **kw):
+        counts["reduce_scatter"] += 1
+        return reduce(*args, **kw)
+
+    param_group.foreach_all_gather, param_group.foreach_reduce = counting_gather, counting_reduce
+    # rank 0: a prompt of 6 and 3 responses of 5 (3 chunks at 8 tokens a pass); rank 1: one chunk (and 2 stand-ins)
+    responses = [list(range(10, 15)), list(range(20, 25)), list(range(30, 35))] if rank == 0 else [[10, 11], [20, 21]]
+    batch = build_batch([Example(list(range(3, 9)), responses, pairs=[(0, 1)])])
+    results = {{}}
+    for reshard in (True, False):
+        model = tiny_model("llama", attn_implementation="prefixdpo").train()
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        for budget in (8, 100):  # 100: the line fits one pass
+            for key in counts:
+                counts[key] = 0
+            logps = compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa", max_tokens_per_pass=budget))
+            forward = counts["all_gather"]
+            logps.sums.sum().backward()
+            results[f"{{reshard}}/{{budget}}"] = [forward, counts["all_gather"] - forward, counts["reduce_scatter"]]
+    every = [None, None]
+    dist.all_gather_object(every, results)
+    finish_ranks(rank, sys.argv[1], every)
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reuse-sharded")
@@ -249,3 +301,20 @@ def test_prefix_reuse_zero3_two_ranks_equal_one_process(one_process):
     _check_shapes(two["shapes"])
     diffs = _same_training(one["reused"], two["reused"], "ZeRO-3")
     print("ZeRO-3 2 ranks vs 1 process, max diffs:", diffs)
+
+
+def test_fsdp2_gathers_each_layer_once_per_pass(tmp_path):
+    """The all-gathers docs/prefix-reuse.md counts: 3 FSDP2 units (2 layers, the root), a prompt and 3 chunks on one
+    rank, 1 chunk (and 2 stand-ins) on the other: 4 passes on both. reshard_after_forward: each layer gathered once
+    per pass in forward and once per pass in backward (the root once each); off: once in forward, again in backward
+    for every pass after the first. Gradients reduce-scattered once per unit either way."""
+    from conftest import run_processes
+
+    script = tmp_path / "gathers.py"
+    script.write_text(GATHER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    run_processes(2, str(script), str(tmp_path))
+    rank0, rank1 = json.loads((tmp_path / "result.json").read_text())
+    assert rank0 == rank1  # the same collectives on both ranks
+    # [all-gathers in forward, in backward, reduce-scatters]
+    assert rank0 == {"True/8": [1 + 2 * 4, 1 + 2 * 4, 3], "True/100": [3, 3, 3],
+                     "False/8": [3, 2 * 3, 3], "False/100": [3, 0, 3]}, rank0
