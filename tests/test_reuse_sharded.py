@@ -10,7 +10,9 @@ The data make the ranks' shapes differ at every step (budget 8 tokens a pass; gl
   step 2  rank 0: a line of 2 chunks                              rank 1: no example (a stand-in micro-batch)
 Every logged metric within K_FORWARD eps x its magnitudes (`assert_same_dpo_log`) and the final weights within K eps x
 `weights_scale` of one process with prefix reuse on, which itself equals one process with one row per example (no
-reuse); the reward trainer on the same data under FSDP2 likewise (`assert_same_reward_log`). Without the agreement the
+reuse); the evaluation after the epoch too (its last micro-batch on rank 1 a stand-in); under FSDP2 also with
+transformers' gradient checkpointing; the reward trainer on the same data under FSDP2 likewise
+(`assert_same_reward_log`). Without the agreement the
 FSDP2 run aborts in its first step (gloo: "Received data size doesn't match expected size"). And FSDP2's gathers
 per pass, counted, with reshard_after_forward on and off (what docs/prefix-reuse.md says of them). Each launch also reports each pass's own and agreed shapes per rank, so the test
 sees that the shapes differed and the passes agreed.
@@ -47,7 +49,7 @@ SCRIPT = textwrap.dedent(
         tiny_model("llama").save_pretrained(init)
 
     import gc
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
     from prefixdpo.core import prefix_reuse
     from prefixdpo.core.engines import sharded_parameter_count
@@ -95,20 +97,34 @@ SCRIPT = textwrap.dedent(
         return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
                           for p in params]).tolist()
 
+    class Shards(TrainerCallback):
+        # (parameters sharded (FSDP2) or partitioned (ZeRO-3), all parameters) at every step end
+        def __init__(self):
+            self.seen = []
+        def on_step_end(self, args, state, control, model=None, **kw):
+            policy = unwrap(model)
+            counts = zero3_partition_counts(policy) if engine == "zero3" else sharded_parameter_count(policy)
+            self.seen.append(tuple(counts))
+
     def run(name, **kw):
         args = PrefixDPOConfig(output_dir=os.path.join(out_dir, name), logging_steps=1, learning_rate=0.5,
                                optim="sgd", lr_scheduler_type="constant", save_strategy="no", use_cpu=True,
                                disable_tqdm=True, seed=0, beta=0.5, report_to="none",
                                ddp_backend="gloo" if world > 1 else None, per_device_train_batch_size=4 // world,
                                num_train_epochs=1, train_sampling_strategy="sequential",
-                               gradient_checkpointing=False, **kw)
+                               eval_strategy="epoch", per_device_eval_batch_size=4 // world,
+                               **{{"gradient_checkpointing": False, **kw}})
         # loaded after the DeepSpeed config exists: under ZeRO-3, transformers loads it partitioned (zero.Init)
         model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
-        t = PrefixDPOTrainer(model=model, train_dataset=EXAMPLES, args=args)
+        # evaluated on the same examples after the epoch: no-grad passes, rank 1's last micro-batch a stand-in
+        shards = Shards()
+        t = PrefixDPOTrainer(model=model, train_dataset=EXAMPLES, eval_dataset=EXAMPLES, args=args, callbacks=[shards])
         t.train()
         policy = unwrap(t.model_wrapped)
-        sharded = zero3_partition_counts(policy) if engine == "zero3" else sharded_parameter_count(policy)
-        return {{"logs": [h for h in t.state.log_history if "loss" in h], "params": full_params(policy),
+        sharded = min(shards.seen)  # (sharded or partitioned parameters, all) at the step ends
+        evals = [{{k[5:]: v for k, v in h.items() if k.startswith("eval_")}} for h in t.state.log_history
+                 if "eval_loss" in h]
+        return {{"logs": [h for h in t.state.log_history if "loss" in h], "evals": evals, "params": full_params(policy),
                  "engine": type(t.model_wrapped).__name__, "sharded": list(sharded)}}
 
     def reward_run(name, **kw):
@@ -131,10 +147,13 @@ SCRIPT = textwrap.dedent(
     if engine == "none":
         results["one-row"] = run("one-row")
         shapes.clear()
-    results["reused"] = run("reused", **reuse, **(FSDP if engine == "fsdp" else {{}}),
-                            **({{"deepspeed": ZERO3}} if engine == "zero3" else {{}}))
-    if engine != "zero3":
-        results["reward-reused"] = reward_run("reward-reused", **reuse, **(FSDP if engine == "fsdp" else {{}}))
+    if engine != "fsdp-more":
+        results["reused"] = run("reused", **reuse, **(FSDP if engine == "fsdp" else {{}}),
+                                **({{"deepspeed": ZERO3}} if engine == "zero3" else {{}}))
+    if engine == "fsdp-more":  # transformers' gradient checkpointing of each layer inside the chunks' own checkpoints
+        results["reused-checkpointed"] = run("reused-checkpointed", gradient_checkpointing=True, **reuse, **FSDP)
+    if engine in ("none", "fsdp-more"):
+        results["reward-reused"] = reward_run("reward-reused", **reuse, **(FSDP if world > 1 else {{}}))
     results["shapes"] = gather(shapes)
     finish_ranks(rank, out_dir, results)
     """
@@ -221,6 +240,10 @@ def _same_training(base: dict, got: dict, what: str) -> dict:
         assert_same_dpo_log(a, b, 0.5, METRICS, what=f"{what} step {a['step']}")
         for key in METRICS:
             diffs[key] = max(diffs.get(key, 0.0), max_diff(a[key], b[key]))
+    assert len(base["evals"]) == len(got["evals"]) == 1, what
+    for a, b in zip(base["evals"], got["evals"]):
+        assert_same_dpo_log(a, b, 0.5, METRICS, what=f"{what} evaluation")
+        diffs["eval"] = max(max_diff(a[key], b[key]) for key in METRICS)
     start = torch.cat([p.detach().flatten() for p in _initial_model().parameters()])
     end = torch.tensor(base["params"])
     assert end.numel() == len(got["params"]) == start.numel(), what
@@ -288,6 +311,16 @@ def test_prefix_reuse_fsdp2_two_ranks_equal_one_process(one_process):
     _check_shapes(two["shapes"])
     diffs = _same_training(one["reused"], two["reused"], "FSDP2")
     print("FSDP2 2 ranks vs 1 process, max diffs:", diffs)
+
+
+def test_prefix_reuse_fsdp2_with_gradient_checkpointing_and_a_reward_model(one_process):
+    tmp, one = one_process
+    two = _run(tmp, "fsdp-more")
+    _check_shapes(two["shapes"])
+    sharded, params = two["reused-checkpointed"]["sharded"]
+    assert sharded == params > 0
+    diffs = _same_training(one["reused"], two["reused-checkpointed"], "FSDP2 gradient checkpointing")
+    print("FSDP2 with gradient checkpointing, max diffs:", diffs)
     print("FSDP2 reward model, max diffs:", _same_reward_training(one["reward-reused"], two["reward-reused"]))
 
 
