@@ -14,7 +14,8 @@ reuse); the evaluation after the epoch too (its last micro-batch on rank 1 a sta
 transformers' gradient checkpointing; the reward trainer on the same data under FSDP2 likewise
 (`assert_same_reward_log`). Without the agreement the
 FSDP2 run aborts in its first step (gloo: "Received data size doesn't match expected size"). And FSDP2's gathers
-per pass, counted, with reshard_after_forward on and off (what docs/prefix-reuse.md says of them). Each launch also reports each pass's own and agreed shapes per rank, so the test
+per pass, counted, with reshard_after_forward on and off (what docs/prefix-reuse.md says of them); and in one process,
+the stand-in passes of a forced larger shape change no log-prob sum and no gradient (measured: exactly 0). Each launch also reports each pass's own and agreed shapes per rank, so the test
 sees that the shapes differed and the passes agreed.
 """
 
@@ -351,3 +352,47 @@ def test_fsdp2_gathers_each_layer_once_per_pass(tmp_path):
     # [all-gathers in forward, in backward, reduce-scatters]
     assert rank0 == {"True/8": [1 + 2 * 4, 1 + 2 * 4, 3], "True/100": [3, 3, 3],
                      "False/8": [3, 2 * 3, 3], "False/100": [3, 0, 3]}, rank0
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "segmented"])
+def test_stand_in_passes_change_no_sum_and_no_gradient(monkeypatch, backend):
+    """In one process, the agreed shape forced larger than the batch's own (`max_over_ranks` made to answer what a
+    rank with more would: a whole pass, a chunk more per line, a third reused line of 2 chunks): the stand-in passes
+    run (counted) and the log-prob sums and every gradient are those of the batch's own passes, within K_FORWARD eps
+    (their outputs are added as exact zeros). With a line that fits (budget 35), the stand-in whole pass is not
+    needed; with all lines reused (budget 15), it runs."""
+    from dataclasses import replace
+
+    import prefixdpo.core.forward as forward
+    import prefixdpo.core.prefix_reuse as prefix_reuse
+    from conftest import tiny_model
+    from prefixdpo.core.attention.reuse_plan import plan_reuse
+    from prefixdpo.core.model_checks import prepare_model
+    from prefixdpo.data.batch import build_batch
+    from test_prefix_reuse import _examples, _sums_and_grads
+    from tolerances import K_FORWARD
+
+    model = tiny_model("llama")
+    prepare_model(model, backend)
+    batch = build_batch(_examples(), pad_multiple=8)
+    calls = []  # the tokens of each model call (`forward.decoder_output`, which every pass of prefix reuse runs)
+    original = forward.decoder_output
+    monkeypatch.setattr(forward, "decoder_output", lambda *a, **k: calls.append(k["input_ids"].shape[1])
+                        or original(*a, **k))
+    for budget in (15, 35):
+        own = plan_reuse(batch.spans, budget, backend)
+        calls.clear()
+        sums, grads = _sums_and_grads(model, batch, own)
+        own_calls = list(calls)
+        answers = iter([[1, 3], [len(p.chunks) + 1 for p in own.plans if p is not None] + [2]])
+        if budget == 35:  # one reused line: the agreed second line and the third are stand-ins
+            answers = iter([[1, 3], [len(own.plans[0].chunks) + 1, 1, 2]])
+        monkeypatch.setattr(prefix_reuse, "max_over_ranks", lambda values, device: next(answers))
+        calls.clear()
+        a_sums, a_grads = _sums_and_grads(model, batch, replace(own, aligned=True))
+        stand_ins = [n for n in calls if n == 1]
+        assert len(calls) > len(own_calls) and len(stand_ins) >= 3, (own_calls, calls)
+        assert_within(a_sums, sums, sums.abs().max().item(), k=K_FORWARD, what=f"budget {budget} sums")
+        assert_within(a_grads, grads, grads.abs().max().item(), k=K_FORWARD, what=f"budget {budget} gradients")
+        print(f"{backend} budget {budget}: calls {own_calls} -> {calls}; max diffs sums "
+              f"{max_diff(a_sums, sums):.3g}, gradients {max_diff(a_grads, grads):.3g}")
