@@ -17,7 +17,6 @@ import sys
 
 import survival_driver as faults  # noqa: E402  (sets one torch thread)
 
-from prefixdpo.cli import main  # noqa: E402
 from prefixdpo.training.survival import SurvivingRun  # noqa: E402
 
 MAX_STEPS = 6

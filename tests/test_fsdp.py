@@ -5,9 +5,10 @@ One 2-process launch and one 1-process launch run every case; the tests compare 
 - Per-step loss and metrics within K_FORWARD eps x their magnitudes (`tolerances.assert_same_dpo_log`) and final
   weights within K eps x `weights_scale` (fp32, SGD), prefix sharing on, packing on
   (16 records that make a pack count the ranks do not divide) and off; with a separate reference model,
-  with LoRA (adapter-off reference), with TR-DPO (the sharded reference mixed toward the policy each step), and
-  with precomputed reference tables. Prefix reuse is refused with FSDP2 in one line. Every FSDP case asserts the parameters were DTensors sharded over the
-  2 ranks during the steps (each rank held half the elements), not only that the run finished.
+  with LoRA (adapter-off reference), with TR-DPO (the sharded reference mixed toward the policy each step),
+  with precomputed reference tables, and with prefix reuse (against one process without it: the same math). Every
+  FSDP case asserts the parameters were DTensors sharded over the 2 ranks during the steps (each rank held half the
+  elements), not only that the run finished.
 - Packing: 1 process x 4 == 2 ranks x 2 (FSDP2 and plain DDP) == 1 process x 2 x accumulation 2.
 - FSDP2 save at step 2 (sharded checkpoint), resume to step 4 == uninterrupted; the exported model reloads
   with stock `from_pretrained` and gives the trained model's logits.
@@ -126,10 +127,9 @@ SCRIPT = textwrap.dedent(
         with torch.no_grad():
             logits = t.model(input_ids=probe).logits
         results["export-logits"] = logits.flatten().tolist()
-        try:  # prefix reuse: its passes per rank follow each rank's data, FSDP2's gathers need them equal
-            run("fsdp-reused", per_device_train_batch_size=2, prefix_reuse=True, max_tokens_per_pass="8", **FSDP)
-        except Exception as err:
-            results["fsdp-reused-refused"] = f"{{type(err).__name__}}: {{err}}"
+        # prefix reuse: each rank's lines need their own numbers of chunk passes; the ranks agree on one shape
+        results["fsdp-reused"] = run("fsdp-reused", per_device_train_batch_size=2, prefix_reuse=True,
+                                     max_tokens_per_pass="8", **FSDP)[1]
     else:
         for name, kw in (("packed", packed), ("unpacked", {{}}), ("ref", dict(ref=True)),
                          ("lora", dict(packed, peft=True)), ("trdpo", TRDPO),
@@ -193,9 +193,12 @@ def test_fsdp2_two_ranks_equal_one_process(runs, fsdp, single):
     _same_training(one[single], two[fsdp])
 
 
-def test_prefix_reuse_is_refused_with_fsdp2_in_one_line(runs):
-    _, two, _ = runs
-    assert two["fsdp-reused-refused"].startswith("ConfigError: prefix_reuse=true is not supported with FSDP2 yet")
+def test_fsdp2_with_prefix_reuse_equals_one_process_with_one_row_per_example(runs):
+    """Budget 8 tokens a pass: most lines run their prompt once and their responses in 1-3 chunks, differently on
+    the two ranks (their passes aligned: `prefix_reuse.agreed_shape`; test_reuse_sharded checks the shapes)."""
+    one, two, _ = runs
+    _really_sharded(two["fsdp-reused"])
+    _same_training(one["unpacked"], two["fsdp-reused"])
 
 
 def test_packed_steps_do_not_depend_on_world_size_or_accumulation(runs):

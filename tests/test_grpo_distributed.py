@@ -7,7 +7,8 @@ the same whatever the world size. The rest is TRL's: rewards gathered over ranks
 log-prob passes (policy, old policy with num_iterations 2, reference with beta > 0) on prefix-shared, packed rows.
 Asserted over 4 SGD steps: every metric as in test_grpo_trl_parity (`metric_within`, from `tolerances`), sampled
 final weights within K eps x `weights_scale`, the weights moved, and under FSDP2 every parameter was a DTensor
-sharded over the 2 ranks during the steps (each rank held about half the elements). Three launches, ~25 s of CPU.
+sharded over the 2 ranks during the steps (each rank held about half the elements); FSDP2 also with prefix reuse.
+Two launches, ~30 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ SCRIPT = textwrap.dedent(
                 "total": int(sum(p.numel() for p in trainer.model.parameters()))}}
 
     if world > 1:
-        results = {{"ddp": run("ddp", 4), "fsdp": run("fsdp", 4, **FSDP)}}
+        results = {{"ddp": run("ddp", 4), "fsdp": run("fsdp", 4, **FSDP),
+                    # every group over 12 tokens: its prompt once, its completions (random lengths) in 1-4 chunks
+                    "fsdp-reused": run("fsdp-reused", 4, prefix_reuse=True, max_tokens_per_pass="12", **FSDP)}}
     else:
         results = {{"one": run("one", 8)}}
     if rank == 0:
@@ -138,11 +141,14 @@ def test_ddp_two_ranks_equal_one_process(runs):
     print(f"REPORT grpo ddp 2 ranks vs 1 process: worst metric difference {worst:.2f} eps x its scale")
 
 
-def test_fsdp2_two_ranks_equal_one_process(runs):
-    fsdp = runs["fsdp"]
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-reused"])
+def test_fsdp2_two_ranks_equal_one_process(runs, name):
+    """`fsdp-reused`: with prefix reuse (the ranks' groups need different numbers of chunk passes, which the ranks
+    agree on: `core.prefix_reuse`) against one process without it (the same math)."""
+    fsdp = runs[name]
     assert len(fsdp["shards"]) == 4
     for sharded, params, local in fsdp["shards"]:
         assert sharded == params > 0  # every parameter a DTensor sharded over the mesh
         assert local <= fsdp["total"] // 2 + 64  # this rank held (about) half of the elements
     worst = _same_training(runs["one"], fsdp)
-    print(f"REPORT grpo fsdp2 2 ranks vs 1 process: worst metric difference {worst:.2f} eps x its scale")
+    print(f"REPORT grpo {name} 2 ranks vs 1 process: worst metric difference {worst:.2f} eps x its scale")

@@ -93,3 +93,90 @@ def test_inside_the_engine_forward_equals_the_head_applied_after_the_model():
     assert torch.allclose(ours.sums, before.sums, rtol=0, atol=1e-6 * before.sums.abs().max().item())
     assert torch.equal(ours.counts, before.counts)
     assert torch.allclose(g_ours, g_before, rtol=0, atol=1e-6 * g_before.abs().max().item())
+
+
+# ---- a plain linear head as one autograd function (`LinearHead`) vs the checkpointed module call
+
+
+def _linear_and_module_heads(bias: bool, scale_div, scale_mul, dtype, seed=1):
+    from prefixdpo.core.logprobs import ModelHead
+
+    g = torch.Generator().manual_seed(seed)
+    module = torch.nn.Linear(D, V, bias=bias).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(V, D, generator=g))
+        if bias:
+            module.bias.copy_(torch.randn(V, generator=g))
+    hidden = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g)
+    head = ModelHead(module, scale_div, scale_mul, softcap=None)
+    generic = ModelHead(module, scale_div, scale_mul, softcap=None)
+    generic.linear = None  # the module call under checkpointing: autograd's own backward
+    return head, generic, module, hidden, targets
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("bias,scale_div,scale_mul,dtype", [
+    (False, None, None, torch.float32), (True, None, None, torch.float32), (False, 3.0, None, torch.float32),
+    (True, None, 0.0625, torch.float32), (False, None, None, torch.bfloat16), (False, None, None, torch.float64),
+])
+def test_a_linear_head_runs_as_one_function_with_autograd_numbers(bias, scale_div, scale_mul, dtype):
+    """Values and the gradients of hidden, weight and bias equal the checkpointed module call's: the function's
+    backward is autograd's own operations (asserted within K_FORWARD eps of the scale: a wrong sign or a missing
+    target term moves them by O(1) of it; measured equal to the bit here)."""
+    head, generic, module, hidden, targets = _linear_and_module_heads(bias, scale_div, scale_mul, dtype)
+    assert head.linear is not None
+    weights = torch.linspace(-1, 2, T)  # per-token upstream gradients, as a DPO loss gives
+    params = [hidden, module.weight] + ([module.bias] if bias else [])
+    results = []
+    for h in (head, generic):
+        out = token_logps(h, hidden, targets, chunk_size=128)
+        results.append((out, torch.autograd.grad((out * weights).sum(), params)))
+    (ours, ours_grads), (ref, ref_grads) = results
+    assert_within(ours, ref, ref.abs().max().item(), dtype, k=K_FORWARD, what="log-probs")
+    for name, a, b in zip(("hidden", "weight", "bias"), ours_grads, ref_grads):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_within(a, b, b.abs().max().item(), dtype, k=K_FORWARD, what=f"{name} gradient")
+
+
+def test_a_frozen_linear_head_gives_the_hidden_gradient_only():
+    head, generic, module, hidden, targets = _linear_and_module_heads(False, None, None, torch.float32)
+    module.weight.requires_grad_(False)
+    out = token_logps(head, hidden, targets, chunk_size=64)
+    (g,) = torch.autograd.grad(out.sum(), hidden)
+    (g_ref,) = torch.autograd.grad(token_logps(generic, hidden, targets, chunk_size=64).sum(), hidden)
+    assert_within(g, g_ref, g_ref.abs().max().item(), k=K_FORWARD, what="hidden gradient")
+
+
+def test_a_head_an_engine_or_adapter_acts_on_keeps_the_module_call():
+    """FSDP2's per-module class, ZeRO-3's gather hooks, accelerate's offload hook or a LoRA layer act at the head's
+    call: such a head is not read as a plain weight (`linear` None), nor one with soft-capping."""
+    from prefixdpo.core.logprobs import ModelHead
+
+    plain = torch.nn.Linear(D, V, bias=False)
+    assert ModelHead(plain, None, None, None).linear is not None
+    assert ModelHead(plain, None, None, softcap=30.0).linear is None
+    hooked = torch.nn.Linear(D, V, bias=False)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    assert ModelHead(hooked, None, None, None).linear is None
+    offloaded = torch.nn.Linear(D, V, bias=False)
+    offloaded._hf_hook = object()
+    assert ModelHead(offloaded, None, None, None).linear is None
+
+    class Adapter(torch.nn.Linear):
+        pass
+
+    assert ModelHead(Adapter(D, V, bias=False), None, None, None).linear is None
+
+
+def test_the_linear_head_holds_no_more_than_a_chunk_of_logits():
+    from prefixdpo.core.logprobs import ModelHead
+
+    _, head, hidden, targets = head_and_inputs()
+    fused = ModelHead(head, None, None, None)
+    for chunk in (16, 128):
+        with LargestTensor() as mode:
+            token_logps(fused, hidden, targets, chunk_size=chunk).sum().backward()
+        assert mode.largest <= chunk * V

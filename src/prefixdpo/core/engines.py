@@ -22,12 +22,10 @@ class EngineSettings:
 
     fsdp_plugin_args:     the FSDP plugin arguments Trainer made of `fsdp` / `fsdp_config`; None: no FSDP asked
     whole_weight_options: the run's options, set, that read every weight whole (a method's: refused under ZeRO-3)
-    prefix_reuse:         the run's passes follow each rank's own data (`core.prefix_reuse`: refused when sharded)
     """
 
     fsdp_plugin_args: Mapping | None = None
     whole_weight_options: tuple[str, ...] = ()
-    prefix_reuse: bool = False
 
 
 def fsdp_requested(settings: EngineSettings) -> bool:
@@ -68,30 +66,13 @@ def enable_requested_fsdp(accelerator, settings: EngineSettings) -> bool:
     return True
 
 
-def refuse_prefix_reuse_on_sharded_engines(accelerator, settings: EngineSettings) -> None:
-    """ConfigError for prefix reuse under FSDP2 or ZeRO-3: they gather each layer's weights at each of its calls,
-    collectively, so every rank must call every layer equally often; prefix reuse runs as many passes (the prefix,
-    each chunk, each chunk again in backward) as each rank's own examples need."""
-    from prefixdpo.core.engines_deepspeed import zero_stage
-
-    if not settings.prefix_reuse:
-        return
-    fsdp = getattr(accelerator.state, "fsdp_plugin", None) is not None
-    engine = "FSDP2" if fsdp else "DeepSpeed ZeRO-3" if zero_stage(accelerator) == 3 else None
-    if engine is not None:
-        raise ConfigError(f"prefix_reuse=true is not supported with {engine} yet: it gathers each layer at each call, "
-                          "on every rank together, and prefix reuse makes as many calls as each rank's examples need; "
-                          "use DDP or ZeRO-1/2")
-
-
 def refuse_unsupported_engine_options(accelerator, settings: EngineSettings) -> None:
     """ConfigError for an option the engine would run wrongly: under ZeRO-3 each rank holds only a partition of
     every weight, which an option in `settings.whole_weight_options` (e.g. DPO's in-place reference update, a
-    reference table built outside the engine) would read as if whole; prefix reuse under a sharded engine
-    (`refuse_prefix_reuse_on_sharded_engines`)."""
+    reference table built outside the engine) would read as if whole. (Prefix reuse runs under every engine: its
+    ranks agree on their passes, `core.prefix_reuse`.)"""
     from prefixdpo.core.engines_deepspeed import zero_stage
 
-    refuse_prefix_reuse_on_sharded_engines(accelerator, settings)
     if zero_stage(accelerator) != 3:
         return
     if settings.whole_weight_options:

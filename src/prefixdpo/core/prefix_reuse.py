@@ -16,8 +16,26 @@ of the prefix). Without gradient (a reference pass) nothing is
 recomputed: the prefix runs once, each chunk once.
 
 The plan (`core.attention.reuse_plan`: the prefix, the chunks) stands where the batch's attention mask stands, so
-every pass over a micro-batch (policy, reference, pre-pass) runs it. Every model call happens inside the one forward of the module the engine wraps (`forward.through_engine`), so
-DDP, FSDP2 and ZeRO-3 see one call per pass, as for a one-row pass.
+every pass over a micro-batch (policy, reference, pre-pass) runs it. Every model call happens inside the one forward
+of the module the engine wraps (`forward.through_engine`), so DDP sees one call per pass, as for a one-row pass.
+
+FSDP2 and ZeRO-3 also gather each layer's weights at each call of the layer, on every rank together (and again in
+backward, for the layer's backward and a checkpointed chunk's recomputation), so every rank must make the same
+sequence of layer calls, while each rank's own lines need their own passes. With several ranks every micro-batch
+therefore gets a plan (`aligned`, also where all its lines fit), and before running it the ranks agree on its shape
+(`agreed_shape`, two all-reduces of a few ints): whether a pass over the lines that fit runs, how many lines are
+reused, and each one's number of chunk passes, the maximum over the ranks of each. A rank with less runs stand-in
+passes in their places: a one-token whole pass, a reused line of a one-token prefix, one-token chunks reading the
+(real or stand-in) prefix's K/V after a line's real chunks, checkpointed as real chunks are (all but the last
+chunk pass of a line). Their outputs are added to the hidden states as `x.sum() * 0`: exactly zero, while their
+backward runs, so autograd's backward order, and with it FSDP2's and ZeRO-3's gathers in backward, is the same on
+every rank. A rank-balancing empty micro-batch (its stand-in line, `loader.stand_in_batch`) and the no-grad
+reference pass take the same path. Under FSDP2 with `reshard_after_forward` (the default, FULL_SHARD) each pass
+gathers each layer again: one all-gather per layer per pass in forward, one per layer per pass in backward (a
+chunk's recomputation shares its backward's), measured on 2 gloo ranks; the gradients are still reduce-scattered
+once per layer per micro-batch. With `reshard_after_forward=False` (SHARD_GRAD_OP) the forward passes share one
+all-gather per layer, which stays gathered until its first backward; backward gathers it again for every pass
+after the first.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from prefixdpo.core.attention.backends import PrefixKV, batch_attention_mask, with_prefix_kv
 from prefixdpo.core.attention.reuse_plan import PrefixReuse
+from prefixdpo.core.rank_decisions import max_over_ranks
 
 
 def _with_zero_path(hidden: torch.Tensor, out) -> torch.Tensor:
@@ -53,48 +72,110 @@ def _chunk_spans(spans: torch.Tensor, p: int, start: int, end: int) -> torch.Ten
     return torch.cat([prefix, chunk])[None]
 
 
+def _stand_in_chunk_spans(spans: torch.Tensor, p: int) -> torch.Tensor:
+    """[1, p + 1, 2] spans of the prefix followed by one token that descends from it: a stand-in chunk's keys."""
+    prefix = _prefix_spans(spans, p)[0]
+    prefix[:, 1] = p + 1
+    return torch.cat([prefix, torch.tensor([[p, p + 1]], dtype=spans.dtype, device=spans.device)])[None]
+
+
+def agreed_shape(reuse: PrefixReuse, device) -> tuple[bool, list[int]]:
+    """(whether a pass over the lines that fit runs, the chunk passes of each reused line, in order) for `reuse`: its
+    own, or where it is `aligned` (several ranks) the maximum of each over the ranks, so that every rank makes the
+    same model calls (module docstring). Two all-reduces: (whole pass, reused lines), then chunks per line."""
+    whole = any(plan is None for plan in reuse.plans)
+    chunks = [len(plan.chunks) for plan in reuse.plans if plan is not None]
+    if not reuse.aligned:
+        return whole, chunks
+    runs_whole, lines = max_over_ranks([int(whole), len(chunks)], device)
+    return bool(runs_whole), max_over_ranks(chunks + [0] * (lines - len(chunks)), device)
+
+
+def _stand_in_whole(model, inner_forward, input_ids: torch.Tensor, reuse: PrefixReuse, decoder_output):
+    """A scalar 0 from a pass over one token of the batch: the whole pass of a rank whose lines all need chunks
+    while another rank's fit (it runs every module, and its backward too)."""
+    spans = torch.tensor([[[0, 1]]], device=input_ids.device)
+    mask = batch_attention_mask(spans, reuse.backend, segment_waste=reuse.segment_waste)
+    hidden, out = decoder_output(model, inner_forward, input_ids=input_ids[:1, :1],
+                                 position_ids=torch.zeros_like(input_ids[:1, :1]), attention_mask=mask)
+    return _with_zero_path(hidden, out).sum() * 0.0
+
+
+def _line_passes(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, spans: torch.Tensor, p: int,
+                 chunks: tuple[tuple[int, int], ...], count: int, reuse: PrefixReuse, decoder_output):
+    """The passes of one line ([1, n] ids and positions, [n, 2] spans): its prefix [0, p) once, then `count` chunk
+    passes against the prefix's K/V, its `chunks` first and then one-token stand-ins (a rank whose line has fewer
+    chunks than another rank's). -> (the prefix's and each real chunk's hidden states, [m, D] each; a scalar 0 with a
+    path through every stand-in). Under gradient every chunk pass but the last is checkpointed, stand-ins alike, so
+    the recomputations in backward line up across ranks too."""
+    options = dict(segment_waste=reuse.segment_waste)
+    prefix_kv = PrefixKV()  # each layer's keys and values of the prefix, kept by its pass
+    mask = with_prefix_kv(batch_attention_mask(_prefix_spans(spans, p), reuse.backend, **options), prefix_kv)
+    hidden, out = decoder_output(model, inner_forward, input_ids=ids[:, :p], position_ids=pos[:, :p],
+                                 attention_mask=mask)
+    parts, zero = [_with_zero_path(hidden, out)[0]], 0.0
+    for k in range(count):
+        real = k < len(chunks)
+        if real:
+            start, end = chunks[k]
+            chunk_spans, chunk_ids, chunk_pos = _chunk_spans(spans, p, start, end), ids[:, start:end], pos[:, start:end]
+        else:  # one token after the prefix, attending it: the stand-in reads the prefix's K/V as a chunk does
+            chunk_spans, chunk_ids, chunk_pos = _stand_in_chunk_spans(spans, p), ids[:, p - 1:p], pos[:, p - 1:p] + 1
+        chunk_mask = batch_attention_mask(chunk_spans, reuse.backend, queries_from=p, **options)
+        chunk_mask = with_prefix_kv(chunk_mask, prefix_kv.prepended())
+
+        def chunk(ids=chunk_ids, pos=chunk_pos, mask=chunk_mask):  # bound now: recomputed after the loop
+            hidden, out = decoder_output(model, inner_forward, input_ids=ids, position_ids=pos, attention_mask=mask)
+            return _with_zero_path(hidden, out)[0]
+
+        # under gradient, a chunk's activations are recomputed in backward (module docstring), but the last one's:
+        # backward starts with it, so keeping them costs no more than recomputing one chunk at a time
+        last = k == count - 1
+        hidden = checkpoint(chunk, use_reentrant=False) if torch.is_grad_enabled() and not last else chunk()
+        if real:
+            parts.append(hidden)
+        else:
+            zero = zero + hidden.sum() * 0.0
+    return parts, zero
+
+
 def reused_hidden_states(model, inner_forward, input_ids: torch.Tensor, position_ids: torch.Tensor,
                          spans: torch.Tensor, reuse: PrefixReuse, decoder_output) -> torch.Tensor:
     """The decoder's final hidden states [B, L, D] of the lines, run as `reuse` plans them (module docstring), inside
     `through_engine`; zeros at padding. decoder_output: `forward.decoder_output` with the model's other inputs bound
-    (passed in: `forward` imports this module)."""
+    (passed in: `forward` imports this module). Where `reuse` is aligned, the passes are the ranks' agreed shape
+    (`agreed_shape`): a rank with less to run adds stand-in passes, whose outputs are added as exact zeros."""
     B, L = input_ids.shape
     lines: list[torch.Tensor | None] = [None] * B
+    runs_whole, counts = agreed_shape(reuse, input_ids.device)
     whole = [b for b, plan in enumerate(reuse.plans) if plan is None]
-    options = dict(segment_waste=reuse.segment_waste)
+    zero = 0.0
     if whole:  # the lines that fit run together, as an ordinary pass
         index = torch.tensor(whole, device=input_ids.device)
-        mask = batch_attention_mask(spans[index], reuse.backend, **options)
+        mask = batch_attention_mask(spans[index], reuse.backend, segment_waste=reuse.segment_waste)
         hidden, out = decoder_output(model, inner_forward, input_ids=input_ids[index],
                                      position_ids=position_ids[index], attention_mask=mask)
         hidden = _with_zero_path(hidden, out)
         for i, b in enumerate(whole):
             lines[b] = hidden[i]
-    for plan in (plan for plan in reuse.plans if plan is not None):
-        b, p = plan.line, plan.prefix
-        ids, pos, line_spans = input_ids[b:b + 1], position_ids[b:b + 1], spans[b]
-        prefix_kv = PrefixKV()  # each layer's keys and values of the prefix, kept by its pass
-        mask = with_prefix_kv(batch_attention_mask(_prefix_spans(line_spans, p), reuse.backend, **options), prefix_kv)
-        hidden, out = decoder_output(model, inner_forward, input_ids=ids[:, :p], position_ids=pos[:, :p],
-                                     attention_mask=mask)
-        parts = [_with_zero_path(hidden, out)[0]]
-        for k, (start, end) in enumerate(plan.chunks):
-            chunk_mask = batch_attention_mask(_chunk_spans(line_spans, p, start, end), reuse.backend, queries_from=p,
-                                              **options)
-            chunk_mask = with_prefix_kv(chunk_mask, prefix_kv.prepended())
-
-            def chunk(ids=ids, pos=pos, start=start, end=end, mask=chunk_mask):  # bound now: recomputed after the loop
-                hidden, out = decoder_output(model, inner_forward, input_ids=ids[:, start:end],
-                                             position_ids=pos[:, start:end], attention_mask=mask)
-                return _with_zero_path(hidden, out)[0]
-
-            # under gradient, a chunk's activations are recomputed in backward (module docstring), but the last one's:
-            # backward starts with it, so keeping them costs no more than recomputing one chunk at a time
-            last = k == len(plan.chunks) - 1
-            parts.append(checkpoint(chunk, use_reentrant=False) if torch.is_grad_enabled() and not last else chunk())
-        line = torch.cat(parts)
-        lines[b] = torch.nn.functional.pad(line, (0, 0, 0, L - line.shape[0]))
-    return torch.stack(lines)
+    elif runs_whole:
+        zero = _stand_in_whole(model, inner_forward, input_ids, reuse, decoder_output)
+    plans = [plan for plan in reuse.plans if plan is not None]
+    for i, count in enumerate(counts):
+        if i < len(plans):
+            b, p = plans[i].line, plans[i].prefix
+            parts, stand_ins = _line_passes(model, inner_forward, input_ids[b:b + 1], position_ids[b:b + 1], spans[b],
+                                            p, plans[i].chunks, count, reuse, decoder_output)
+            line = torch.cat(parts)
+            lines[b] = torch.nn.functional.pad(line, (0, 0, 0, L - line.shape[0]))
+        else:  # a stand-in line: a one-token prefix and `count` one-token chunks
+            one = torch.tensor([[0, 1]], device=input_ids.device)
+            parts, stand_ins = _line_passes(model, inner_forward, input_ids[:1, :1], torch.zeros_like(input_ids[:1, :1]),
+                                            one, 1, (), count, reuse, decoder_output)
+            stand_ins = stand_ins + torch.cat(parts).sum() * 0.0
+        zero = zero + stand_ins
+    hidden = torch.stack(lines)
+    return hidden + zero if isinstance(zero, torch.Tensor) else hidden
 
 
-__all__ = ["reused_hidden_states"]
+__all__ = ["agreed_shape", "reused_hidden_states"]

@@ -47,6 +47,17 @@ def any_rank(flag: bool, device="cpu") -> bool:
     return bool(t.item())
 
 
+def max_over_ranks(values: list[int], device="cpu") -> list[int]:
+    """The element-wise maximum of every rank's `values` (one all-reduce of len(values) ints; every rank must call
+    it together, with as many values)."""
+    _, world = rank_and_world()
+    if world == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def gather(value: Any) -> list:
     """Every rank's `value`, in rank order, on every rank."""
     _, world = rank_and_world()

@@ -286,6 +286,7 @@ def shared_prefix_examples(profile: SharedPrefixProfile | str, n_prompts: int, *
     for prompt_number in range(n_prompts):
         prompt = system + user_message()
         lo, hi = profile.turns
+        n_pairs = 0  # the last turn's record count (set by turn 0 before a later turn reads it)
         for turn in range(lo if lo == hi else int(rng.integers(lo, hi + 1))):
             if turn:  # the dialogue goes on after the preferred response of the last turn's first record
                 prompt = prompt + out[-n_pairs].response_ids[0] + user_message()

@@ -62,7 +62,11 @@ PREFIX_REUSE_HELP = (
     "as one row, with the activations of the prefix and one chunk alive instead of the whole row's, for one more "
     "forward of the response tokens of every chunk but the last (recomputed in backward; never the prefix). Shorter "
     "examples run as one row, unchanged. Examples run unpacked (packing false; GRPO's over-long groups get a line of "
-    "their own); not with FSDP2 or ZeRO-3, nor with the MoE load-balancing loss.")
+    "their own); not with the MoE load-balancing loss (its router logits come in chunks). With several ranks (DDP, "
+    "FSDP2, ZeRO-3) the ranks agree on each micro-batch's passes and a rank with fewer runs one-token stand-ins "
+    "that add zero, so every rank makes the same layer calls, as FSDP2's and ZeRO-3's per-layer gathers need; "
+    "under FSDP2 with reshard_after_forward (FULL_SHARD) each pass gathers each layer again: one all-gather per "
+    "layer per pass in forward and one in backward (SHARD_GRAD_OP: one per layer for all forward passes).")
 MAX_TOKENS_PER_PASS_HELP = (
     "prefix_reuse: the most tokens one forward pass may hold (an int), or 'auto': the budget this device's memory "
     "allows (`core.fit.auto_tokens_per_pass`, an estimate of activation memory per token from the model's shape).")

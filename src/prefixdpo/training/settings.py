@@ -48,11 +48,9 @@ def fit_settings(args, backend: str, extra_passes: tuple[Batches, ...] = ()) -> 
 
 def engine_settings(args, whole_weight_options: tuple[str, ...] = ()) -> EngineSettings:
     """What `core.engines` reads of a run: the FSDP plugin arguments Trainer made of `fsdp`/`fsdp_config` (None:
-    no FSDP asked), the method's options set in this run that read every weight whole, and whether prefix reuse is
-    on (a plain TRL config has no such option: off)."""
+    no FSDP asked) and the method's options set in this run that read every weight whole."""
     return EngineSettings(fsdp_plugin_args=getattr(args, "fsdp_plugin_args", None),
-                          whole_weight_options=tuple(whole_weight_options),
-                          prefix_reuse=bool(getattr(args, "prefix_reuse", False)))
+                          whole_weight_options=tuple(whole_weight_options))
 
 
 def apply_engine_settings(trainer, whole_weight_options: tuple[str, ...] = ()) -> None:

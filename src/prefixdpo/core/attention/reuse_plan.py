@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixdpo.core.rank_decisions import rank_and_world
 from prefixdpo.errors import ConfigError
 
 
@@ -24,11 +25,14 @@ class LinePlan:
 class PrefixReuse:
     """What a pass over a batch runs instead of one forward: per line a `LinePlan`, or None (one forward for all
     such lines); `backend`: the attention backend each pass's mask is built for. Stands where a batch's attention
-    mask stands (`backends.batch_attention_mask` builds it when a line is over the budget)."""
+    mask stands (`backends.batch_attention_mask` builds it when a line is over the budget, and for every batch when
+    the run has several ranks). aligned: the run has several ranks, which agree on the shape of the passes before
+    running them (`core.prefix_reuse`: every rank makes the same model calls, as FSDP2's and ZeRO-3's gathers need)."""
 
     plans: tuple[LinePlan | None, ...]
     backend: str
     segment_waste: float = 0.25
+    aligned: bool = False
 
 
 def line_prefix(spans: torch.Tensor) -> tuple[int, int]:
@@ -82,13 +86,16 @@ def reused_tokens(prompt: int, responses: list[int], max_tokens: int) -> int:
 
 
 def plan_reuse(spans: torch.Tensor, max_tokens: int, backend: str, segment_waste: float = 0.25) -> PrefixReuse | None:
-    """The `PrefixReuse` of [B, L, 2] spans, or None when every line fits `max_tokens` (one ordinary pass)."""
+    """The `PrefixReuse` of [B, L, 2] spans, or None when every line fits `max_tokens` (one ordinary pass) in a run
+    of one process. With several ranks every batch gets one (`aligned`): another rank's batch may need chunks, and
+    this one's passes must match them."""
     if max_tokens < 1:
         raise ConfigError(f"max_tokens_per_pass={max_tokens}: expected a positive number of tokens")
     plans = tuple(plan_line(spans[b].cpu(), b, max_tokens) for b in range(spans.shape[0]))
-    if all(plan is None for plan in plans):
+    aligned = rank_and_world()[1] > 1
+    if all(plan is None for plan in plans) and not aligned:
         return None
-    return PrefixReuse(plans, backend, segment_waste)
+    return PrefixReuse(plans, backend, segment_waste, aligned)
 
 
 __all__ = ["LinePlan", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse", "reused_tokens"]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where the models are built: `gpu-check --help` stays light
+    import torch
+
 
 def tiny_causal_lm(arch: str, dtype: torch.dtype, device: str):
     """A tiny random model of `arch` (GQA where the architecture has it; Gemma-2 keeps its default
