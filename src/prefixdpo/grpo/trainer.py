@@ -131,12 +131,12 @@ class PrefixSharedLogps:
                                  compute_aux_loss)
 
     def _shared_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                     compute_aux_loss, sp=None, count: bool = True):
+                     compute_aux_loss, sp=None, count: bool = True, slot: int = 0):
         """TRL's (log-probs [N, K], entropies or None, aux loss or None) of rows [N, L] on prefix-shared lines; with
         `sp`, every rank of its group runs these rows, each 1/N of every line's columns. count: add the lines to the
-        sharing metrics (under sequence parallelism only the rank whose rows they are does)."""
+        sharing metrics (under sequence parallelism only the rank whose rows they are does); slot: `_lines`'."""
         backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
-        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend, sp)
+        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend, sp, slot)
         N, L = input_ids.shape
         rows_per_forward = batch_size or N
         # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
@@ -178,7 +178,7 @@ class PrefixSharedLogps:
             if member == sp.rank:
                 ids, mask = input_ids, attention_mask
             out = self._shared_pass(model, ids.to(input_ids.device), mask.to(input_ids.device), keep, batch_size,
-                                    compute_entropy, False, sp, count=member == sp.rank)
+                                    compute_entropy, False, sp, count=member == sp.rank, slot=member)
             if member == sp.rank:
                 mine = out
             else:
@@ -188,17 +188,21 @@ class PrefixSharedLogps:
             logps = logps + sum(t.sum() for t in others) * 0.0
         return logps, entropies, aux
 
-    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str, sp=None) -> GroupLines:
+    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str, sp=None,
+               slot: int = 0) -> GroupLines:
         """The lines of this pass; the previous pass's (and the masks built for them) when its rows are the same:
         TRL runs the reference and old-policy passes on the same rows, and the policy pass on rows of equal
-        content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
+        content, so one layout and one set of masks serve them all (as the DPO step shares its mask). slot: whose
+        rows (under sequence parallelism each member's rows keep their own layout, `_group_passes`)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
         settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
                     str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass,
                     1 if sp is None else sp.size)
-        cached = getattr(self, "_last_layout", None)
+        layouts = self.__dict__.setdefault("_layouts", {})
+        cached = layouts.get(slot)
         if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
                 and _same(cached[2], attention_mask)):
+            self._last_layout = cached
             return cached[3]
         lines = layout_groups(
             input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
@@ -208,7 +212,8 @@ class PrefixSharedLogps:
         )
         if sp is not None:  # each rank of the group holds an equal share of every line's columns
             lines = padded(lines, sp.size)
-        self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
+        self._last_layout = layouts[slot] = (settings, input_ids.detach().clone(), attention_mask.detach().clone(),
+                                             lines)
         return lines
 
     def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
