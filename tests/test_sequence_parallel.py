@@ -3,7 +3,8 @@ all-to-all around every attention call) against one process on the same lines.
 
 Every logged metric of every step and the final weights must match: DPO with sigmoid (unpacked, gradient
 checkpointing on, so every attention's all-to-all also runs in the recompute), a loss coupled across the step's
-pairs (aot, packed), tries (`prefix_tree`); the loss and rewards within K_FORWARD eps x `dpo_loss_scale`, logps
+pairs (aot, packed), sigmoid + sft over 2 accumulated micro-batches with an evaluation, tries (`prefix_tree`), a
+reward model, 2 x 2 ranks with DDP, FSDP2; the loss and rewards within K_FORWARD eps x `dpo_loss_scale`, logps
 within K_FORWARD eps of their scale, grad_norm within K eps of itself, counts exactly; weights within K eps x
 `weights_scale` (fp32, SGD). The one-line refusals are checked in-process.
 """
@@ -68,7 +69,8 @@ SCRIPT = textwrap.dedent(
         "aot-packed": (lambda: long_examples(6, 1), dict(loss_type=["aot"], packing=True, pack_length=128,
                                                           per_device_train_batch_size=1)),
         "sft-combo": (lambda: long_examples(4, 2), dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5],
-                                                         per_device_train_batch_size=2, eval_strategy="epoch",
+                                                         per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                                         eval_strategy="epoch",
                                                          per_device_eval_batch_size=2)),
         "tree": (tree_examples, dict(packing=True, pack_length=48, prefix_tree=True, per_device_train_batch_size=2)),
     }}
