@@ -211,3 +211,18 @@ def test_grpo_verify_fails_the_run_and_grpo_bench_does_not(tmp_path):
     assert gpu_check.exit_status(bad) == 1 and gpu_check.verdict(bad).startswith("FAIL: 1")
     md = gpu_check.write_reports(bad, {"device": "test"}, tmp_path)[1].read_text()
     assert md.index("## grpo verify") < md.index("## grpo bench")
+
+
+def test_sequence_parallel_section_checks_head_shards_and_says_when_it_needs_two_devices():
+    from prefixdpo.tools.gpu_check import sequence_parallel
+
+    assert "sp" in gpu_check.SECTIONS
+    plan = gpu_check.planned_checks(["flex", "sdpa"], sections=("sp",))
+    assert plan == [("sequence parallel", "heads flex"), ("sequence parallel", "heads sdpa"),
+                    ("sequence parallel", "2 ranks flex")]
+    lines = []
+    results = sequence_parallel.section(["sdpa", "segmented"], "cpu", log=lines.append)
+    assert [r.status for r in results[:2]] == ["ok", "ok"], [r.detail for r in results]
+    assert results[0].numbers["max_diff"] <= results[0].numbers["bound"]
+    assert results[2].status == "n/a" and "needs 2 CUDA devices" in results[2].detail  # a CPU machine: 0 devices
+    assert len(lines) == 3

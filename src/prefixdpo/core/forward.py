@@ -23,6 +23,7 @@ from prefixdpo.core.logprobs import (
 )
 from prefixdpo.core.model_checks import check_sequences_fit_window, text_config, unwrap
 from prefixdpo.core.moe import recording_router_logits, router_aux_loss
+from prefixdpo.core import sequence_parallel
 from prefixdpo.core.attention.reuse_plan import PrefixReuse
 from prefixdpo.core.prefix_reuse import reused_hidden_states
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
@@ -109,6 +110,19 @@ def batch_inputs(batch: Batch, attention_mask) -> dict:
     return inputs
 
 
+def sharded_inputs(sp, inputs: dict) -> dict:
+    """`inputs` of a pass over whole lines as this rank runs them under sequence parallelism `sp` (None: unchanged):
+    its columns of input_ids and position_ids [B, L / N], and the whole lines' mask carrying `sp` to the attention
+    calls (`backends.prefix_attention_forward`)."""
+    if sp is None:
+        return inputs
+    mask = inputs["attention_mask"]
+    if isinstance(mask, PrefixReuse) or getattr(mask, "prefix_kv", None) is not None:
+        raise ConfigError("prefix_reuse=true is not supported with sequence parallelism yet: set one of them off")
+    mask.sequence_parallel = sp
+    return {**inputs, "input_ids": sp.shard(inputs["input_ids"]), "position_ids": sp.shard(inputs["position_ids"])}
+
+
 def compute_response_logps(
     model, batch: Batch, attention_mask, *, chunk_size: int = 1024, stat: TokenStat | None = None,
     router_aux: bool = False,
@@ -125,6 +139,10 @@ def compute_response_logps(
     if router_aux and isinstance(attention_mask, PrefixReuse):
         raise ConfigError("prefix_reuse does not compute the MoE load-balancing loss (its router logits come in "
                           "chunks, not the row's layout): set router_aux_loss_coef 0, or prefix_reuse false")
+    sp = sequence_parallel.of(model)
+    if sp is not None and router_aux:
+        raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
+                          "router_aux_loss_coef 0, or sequence_parallel_size 1")
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if router_aux else contextlib.nullcontext() as router_logits:
@@ -133,7 +151,7 @@ def compute_response_logps(
         if model_last_logits is not None and not getattr(hf, "_prefixdpo_head_checked", False):
             check_head(head, hidden[:, -1], model_last_logits)
             hf._prefixdpo_head_checked = True
-        result = response_logps(hidden, batch, head, chunk_size, stat=stat)
+        result = response_logps(hidden, batch, head, chunk_size, stat=stat, sp=sp)
         if router_aux:
             result.aux_loss = router_aux_loss(model, router_logits, batch)
         if model_last_logits is not None and model_last_logits.requires_grad:
@@ -144,5 +162,5 @@ def compute_response_logps(
             result.per_token = result.per_token + nothing
         return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if getattr(result, f.name) is not None}
 
-    return ResponseLogps(**through_engine(model, body, **batch_inputs(batch, attention_mask)))
+    return ResponseLogps(**through_engine(model, body, **sharded_inputs(sp, batch_inputs(batch, attention_mask))))
 

@@ -166,17 +166,19 @@ def _check_chunk_size(chunk_size: int) -> None:
 
 
 def token_logps(head: Head, hidden: torch.Tensor, target_ids: torch.Tensor, chunk_size: int = 1024, *,
-                stat: TokenStat | None = None):
+                stat: TokenStat | None = None, min_tokens: int = 0):
     """Log-prob of each target token, hidden [T, D], target_ids [T] -> [T] fp32; with `stat`, ([T], stat's [T]).
 
     In chunks of `chunk_size` tokens: a `ModelHead` with a `linear` form as `_LinearHeadLogps`, any other head
-    checkpointed under grad (the module docstring)."""
+    checkpointed under grad (the module docstring); as many chunks as `min_tokens` tokens would need at least (the
+    trailing ones empty): sequence-parallel ranks holding different numbers of targets call the head equally often
+    (an engine that gathers its weight at each call needs that)."""
     _check_chunk_size(chunk_size)
     linear = getattr(head, "linear", None) if stat is None else None
     if torch.is_autocast_enabled(hidden.device.type):  # autograd's backward would recompute outside autocast
         linear = None
     outs = []
-    for start in range(0, hidden.shape[0], chunk_size):
+    for start in range(0, max(hidden.shape[0], min_tokens), chunk_size):
         h = hidden[start:start + chunk_size]
         ids = target_ids[start:start + chunk_size]
         if linear is not None:
@@ -191,6 +193,15 @@ def token_logps(head: Head, hidden: torch.Tensor, target_ids: torch.Tensor, chun
     if stat is None:
         return torch.cat(outs)
     return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+def _target_logps(head: Head, hidden, lines, columns, target_ids, chunk_size: int, stat: TokenStat | None,
+                  min_tokens: int = 0):
+    """(log p [t], stat [t] or None) of the targets predicted at hidden[lines, columns] (hidden [B, L, D])."""
+    predictors = hidden[lines, columns]  # [t, D]: only positions that predict a target
+    if stat is None:
+        return token_logps(head, predictors, target_ids, chunk_size, min_tokens=min_tokens), None
+    return token_logps(head, predictors, target_ids, chunk_size, stat=stat, min_tokens=min_tokens)
 
 
 @dataclass
@@ -211,16 +222,22 @@ class ResponseLogps:
 
 
 def response_logps(hidden: torch.Tensor, batch: Batch, head: Head, chunk_size: int = 1024, *,
-                   stat: TokenStat | None = None) -> ResponseLogps:
+                   stat: TokenStat | None = None, sp=None) -> ResponseLogps:
     """Sum the log-probs of each response's tokens (and, with `stat`, that statistic, from the same head pass).
 
-    hidden: [B, L, D] final hidden states of the lines in `batch`.
+    hidden: [B, L, D] final hidden states of the lines in `batch`; with `sp` (a `sequence_parallel.SequenceParallel`)
+    [B, L / N, D], this rank's columns: the head runs on the targets predicted there, and every rank gets all [T].
     """
-    predictors = hidden[batch.target_line, batch.target_col]  # [T, D]: only positions that predict a target
-    if stat is None:
-        per_token, stats = token_logps(head, predictors, batch.target_ids, chunk_size), None
+    if sp is None:
+        per_token, stats = _target_logps(head, hidden, batch.target_line, batch.target_col, batch.target_ids,
+                                         chunk_size, stat)
     else:
-        per_token, stats = token_logps(head, predictors, batch.target_ids, chunk_size, stat=stat)
+        length = batch.input_ids.shape[1]
+        mine, local_cols = sp.owned(batch.target_col, length)
+        per_token, stats = _target_logps(head, hidden, batch.target_line[mine], local_cols, batch.target_ids[mine],
+                                         chunk_size, stat, min_tokens=sp.most_owned(batch.target_col, length))
+        per_token = sp.gathered(per_token, mine)
+        stats = None if stats is None else sp.gathered(stats, mine)
     R = batch.num_responses
 
     def per_response(values: torch.Tensor) -> torch.Tensor:

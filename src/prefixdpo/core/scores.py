@@ -23,7 +23,8 @@ import torch
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.lines import sequence_tokens
 from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
-from prefixdpo.core.forward import batch_inputs, pass_hidden_states, through_engine
+from prefixdpo.core import sequence_parallel
+from prefixdpo.core.forward import batch_inputs, pass_hidden_states, sharded_inputs, through_engine
 from prefixdpo.core.logprobs import UnsupportedModelError
 
 
@@ -76,6 +77,10 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
     check_sequences_fit_window(model, batch)
     empty = batch.num_responses == 0
     line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
+    sp = sequence_parallel.of(model)
+    if sp is not None and not empty:  # this rank's columns only: its scores, summed over the group after the head
+        mine, local = sp.owned(column, batch.input_ids.shape[1])
+        line, column = line[mine], local
 
     def body(inner_forward, **inputs) -> dict:
         hidden, _ = pass_hidden_states(model, inner_forward, **inputs)
@@ -83,6 +88,8 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
         dtype = next(head.parameters()).dtype
         if empty:
             return {"scores": head(hidden[:, -1].to(dtype)).float().sum().reshape(1) * 0.0}
-        return {"scores": head(hidden[line, column].to(dtype)).float().squeeze(-1)}
+        scores = head(hidden[line, column].to(dtype)).float().squeeze(-1)
+        return {"scores": scores if sp is None else sp.gathered(scores, mine)}
 
-    return through_engine(model, body, **batch_inputs(batch, attention_mask))["scores"]
+    inputs = sharded_inputs(sp, batch_inputs(batch, attention_mask))
+    return through_engine(model, body, **inputs)["scores"]

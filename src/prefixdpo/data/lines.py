@@ -182,6 +182,21 @@ def collate(lines: Sequence[Sequence[Piece]], num_responses: int, *, pad_token_i
                 target_response=cat(t_resp), response_line=_as_long(r_line), response_last=_as_long(r_last))
 
 
+def padded(lines: Lines, multiple: int, pad_token_id: int = 0):
+    """`lines` (any `Lines`, e.g. a `Batch`) with padding columns appended up to a multiple of `multiple` (the same
+    object when already there): pad ids, position 0, spans (-1, -1); targets and responses keep their columns."""
+    B, L = lines.input_ids.shape
+    extra = _round_up(L, multiple) - L
+    if extra == 0:
+        return lines
+
+    def grow(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((B, extra, *t.shape[2:]), value)], dim=1)
+
+    return replace(lines, input_ids=grow(lines.input_ids, pad_token_id), position_ids=grow(lines.position_ids, 0),
+                   spans=grow(lines.spans, PAD))
+
+
 def sequence_counts(lines: Lines, per_response: torch.Tensor) -> torch.Tensor:
     """For each slot, the sum of `per_response` [R] over the responses whose sequence holds it (the responses whose
     last column its span [tin, tout) holds: it and its descendants). -> [B, L] in per_response's dtype, 0 for padding.
@@ -205,5 +220,5 @@ def sequence_tokens(lines: Lines) -> torch.Tensor:
     return (spans[..., 0] <= last) & (last < spans[..., 1])  # padding's span (-1, -1) holds no column
 
 
-__all__ = ["Lines", "PAD", "Piece", "Row", "bucket_length", "collate", "line_length", "sequence_counts",
+__all__ = ["Lines", "PAD", "Piece", "Row", "bucket_length", "collate", "line_length", "padded", "sequence_counts",
            "sequence_tokens"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from prefixdpo.data.batch import Batch, build_batch
+from prefixdpo.data.lines import padded
 from prefixdpo.data.example import Example
 from prefixdpo.data.packing import (
     RowTooLongError, auto_pack_length, deal_to_ranks, plan_packs,
@@ -172,25 +173,27 @@ def step_pair_totals(examples: Sequence[Example], plan: Plan, grad_accum: int) -
     return [sum(per_mb[s : s + grad_accum]) for s in range(0, len(per_mb), grad_accum)]
 
 
-def empty_batch(pad_token_id: int = 0) -> Batch:
+def empty_batch(pad_token_id: int = 0, pad_multiple: int = 1) -> Batch:
     """A one-token batch with no responses: runs the model (for DDP) and weighs nothing.
 
     The token is a trie of its own (not padding), so it attends to itself like a real token; targets, responses and
     pairs are empty."""
     none = torch.zeros(0, dtype=torch.long)
-    return Batch(input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
+    return padded(Batch(input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
                  position_ids=torch.zeros((1, 1), dtype=torch.long), spans=torch.tensor([[[0, 1]]]),
                  target_line=none, target_col=none, target_ids=none, target_response=none, response_line=none,
-                 response_last=none, response_lengths=none, pair_better=none, pair_worse=none, max_sequence_length=1)
+                 response_last=none, response_lengths=none, pair_better=none, pair_worse=none, max_sequence_length=1),
+                  pad_multiple, pad_token_id)
 
 
-def stand_in_batch(pad_token_id: int = 0) -> Batch:
+def stand_in_batch(pad_token_id: int = 0, pad_multiple: int = 1) -> Batch:
     """One line of three tokens, a 1-token prompt and two 1-token responses, and no pair: what a rank-balancing empty
     micro-batch of DPO training runs at zero weight. Unlike `empty_batch` it has response tokens, so the policy's
     pass calls every module a micro-batch with pairs calls, its LM head on response rows included (engines that
     gather a module's weights at each call, FSDP2's final-norm + head unit and ZeRO-3, need the same calls on
     every rank)."""
-    return build_batch([Example((pad_token_id,), ((pad_token_id,), (pad_token_id,)), pairs=())])
+    return build_batch([Example((pad_token_id,), ((pad_token_id,), (pad_token_id,)), pairs=())],
+                       pad_multiple=pad_multiple)
 
 
 MARGIN = "margin"  # `Example.meta` key of a record's reward margin (TRL's `margin` column, reward models)
@@ -298,7 +301,8 @@ class MicroBatches(torch.utils.data.Dataset):
         ids = [e for line in lines for e in line]
         total = self.step_pairs[m // self.settings.grad_accum]
         if not ids:
-            return MicroBatch(empty_batch(self.settings.pad_token_id), torch.zeros(0, dtype=torch.long), total)
+            return MicroBatch(empty_batch(self.settings.pad_token_id, self.settings.pad_multiple),
+                              torch.zeros(0, dtype=torch.long), total)
         exs = [self.examples[e] for e in ids]
         batch = self._layout(exs, lines)
         example_ids = torch.tensor(ids, dtype=torch.long)

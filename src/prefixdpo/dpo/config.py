@@ -32,7 +32,8 @@ from prefixdpo.dpo.tr_dpo import check_tr_dpo_options
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
-    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, changed_options, check_shared_options, eval_split,
+    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, SequenceParallelOptions, changed_options,
+    check_shared_options, eval_split,
     resolve_before_trainer_args, state_options_without_effect,
 )
 
@@ -43,7 +44,8 @@ def _loss_option(name: str, help_text: str):
 
 
 @dataclass
-class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, TrainingArguments):
+class PrefixDPOConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, SequenceParallelOptions,
+                      TrainingArguments):
     """Options of `PrefixDPOTrainer` (TRL `DPOConfig` names + prefix-sharing options + TrainingArguments)."""
 
     # ---- TrainingArguments defaults that TRL's DPOConfig changes (TRL's defaults) ----

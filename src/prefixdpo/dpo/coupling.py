@@ -158,9 +158,10 @@ class StepCoupling:
     """Builds each micro-batch's slice of the step's context; owns the losses' running means (saved in
     checkpoints)."""
 
-    def __init__(self, objective, accelerator):
+    def __init__(self, objective, accelerator, sp_size: int = 1):
         self.objective = objective
         self.accelerator = accelerator
+        self.sp_size = sp_size  # ranks per sequence-parallel group (consecutive ranks)
         self.names = canonical_loss_types(objective.loss_types)
         self.enabled = coupled(self.names)
         self.needs_pairs = needs_step_pairs(self.names, train=True)
@@ -183,8 +184,10 @@ class StepCoupling:
             width = 5 if self.needs_pairs else 1
             rows.append(torch.stack(cols, dim=1) if batch.num_pairs else torch.zeros(0, width, dtype=torch.float64))
             counts.append(batch.num_pairs)
-        everyone = self._gather(torch.cat(rows))  # one [P_rank, width] tensor per rank, in rank order
-        offset = sum(int(t.shape[0]) for t in everyone[: self.accelerator.process_index])
+        # one [P_rank, width] tensor per rank, in rank order; a sequence-parallel group's ranks hold the same pairs:
+        # its first rank's count
+        everyone = self._gather(torch.cat(rows))[:: self.sp_size]
+        offset = sum(int(t.shape[0]) for t in everyone[: self.accelerator.process_index // self.sp_size])
         step = torch.cat(everyone)
         planned = samples[0].step_pairs
         if step.shape[0] != planned:

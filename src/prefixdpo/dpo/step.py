@@ -96,12 +96,14 @@ class StepInputs:
         """A rank-balancing empty micro-batch: it runs a real one's passes at zero weight."""
         return self.micro.batch.num_pairs == 0
 
-    def on_device(self, device, backend: str, pad_token_id: int, tokens_per_pass: int | None = None) -> StepInputs:
-        """This micro-batch with its Batch (an idle one's stand-in line) on `device` and its attention mask (kept if
-        already built; a `PrefixReuse` plan for a line over `tokens_per_pass`)."""
+    def on_device(self, device, backend: str, pad_token_id: int, tokens_per_pass: int | None = None,
+                  pad_multiple: int = 1) -> StepInputs:
+        """This micro-batch with its Batch (an idle one's stand-in line, `pad_multiple` columns long at least) on
+        `device` and its attention mask (kept if already built; a `PrefixReuse` plan for a line over
+        `tokens_per_pass`)."""
         if self.batch is not None:
             return self
-        batch = (stand_in_batch(pad_token_id) if self.idle else self.micro.batch).to(device)
+        batch = (stand_in_batch(pad_token_id, pad_multiple) if self.idle else self.micro.batch).to(device)
         mask = batch_attention_mask(batch, backend, max_tokens_per_pass=tokens_per_pass)
         return replace(self, batch=batch, mask=mask)
 
@@ -136,7 +138,7 @@ class DPOTrainingStep:
 
     def _init_step(self) -> None:
         self.objective = Objective.from_config(self.args, self.model)
-        self.coupling = StepCoupling(self.objective, self.accelerator)
+        self.coupling = StepCoupling(self.objective, self.accelerator, self.sp_size)
         self._idle_reference = IdleReference(self.reference)  # what an idle micro-batch asks (`StepInputs.idle`)
 
     # ---- the optimizer step: its micro-batches, and what the coupled losses need of them all --------------------
@@ -173,7 +175,8 @@ class DPOTrainingStep:
         return step, pairs
 
     def _on_device(self, step: StepInputs) -> StepInputs:
-        return step.on_device(self.args.device, self.backend, self.pad_token_id, self.tokens_per_pass)
+        return step.on_device(self.args.device, self.backend, self.pad_token_id, self.tokens_per_pass,
+                              self._loader_settings(train=True).pad_multiple)
 
     def _reference_of(self, step: StepInputs):
         """The reference `step`'s passes ask: the run's, or, for an idle micro-batch, the run's at zero weight."""

@@ -58,6 +58,7 @@ class PrefixDPOTrainer(DPOTrainingStep, PrefixTrainerBase):
         self._init_run_state()
         self.reference = build_reference(args, policy=self.model, ref_model=ref_model, backend=self.backend,
                                          pad_token_id=self.pad_token_id, accelerator=self.accelerator)
+        self._attach_sequence_parallel(self.reference.model)  # a separate reference's passes: sharded alike
         self.reference.use_tokens_per_pass(self.tokens_per_pass)  # its table passes run long examples the same way
         for callback in self.reference.callbacks:  # TR-DPO's sync, when asked for
             self.add_callback(callback)

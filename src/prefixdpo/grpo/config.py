@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
 
+from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    PrefixReuseOptions, RunSafetyOptions, ScriptArguments, check_attention_and_pack_length, check_prefix_reuse,
-    device_has_bf16, join_cpu_processes,
+    PrefixReuseOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions, check_attention_and_pack_length,
+    check_prefix_reuse, check_sequence_parallel, device_has_bf16, join_cpu_processes,
 )
 
 
@@ -79,10 +80,14 @@ class GroupLayoutOptions:
         check_attention_and_pack_length(self)
         check_nonfinite_options(self.nonfinite, self.nonfinite_max_consecutive)
         check_prefix_reuse(self)
+        check_sequence_parallel(self)
+        if self.sequence_parallel_size > 1 and not self.prefix_sharing:
+            raise ConfigError(f"sequence_parallel_size={self.sequence_parallel_size} runs the prefix-shared passes: "
+                              "set prefix_sharing true")
 
 
 @dataclass
-class PrefixGRPOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, GRPOConfig):
+class PrefixGRPOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, SequenceParallelOptions, GRPOConfig):
     """Options of `PrefixGRPOTrainer`: TRL's `GRPOConfig` + `GroupLayoutOptions` + `RunSafetyOptions` (a non-finite
     step, an output_dir of another run)."""
 
@@ -93,7 +98,7 @@ class PrefixGRPOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions,
 
 
 @dataclass
-class PrefixRLOOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, RLOOConfig):
+class PrefixRLOOConfig(GroupLayoutOptions, PrefixReuseOptions, RunSafetyOptions, SequenceParallelOptions, RLOOConfig):
     """Options of `PrefixRLOOTrainer`: TRL's `RLOOConfig` + `GroupLayoutOptions` + `RunSafetyOptions`."""
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.attention.reuse_plan import PrefixReuse
 from prefixdpo.errors import ConfigError
 
-from prefixdpo.core.forward import final_hidden_states, through_engine
+from prefixdpo.core.forward import final_hidden_states, sharded_inputs, through_engine
 
 from prefixdpo.core.moe import recording_router_logits
 from prefixdpo.grpo.layout import GroupLines, aux_token_weights, line_chunks
@@ -87,17 +87,24 @@ def trl_head(hf, hidden: torch.Tensor, targets: torch.Tensor, settings: HeadSett
 
 
 def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, settings: HeadSettings, entropy: bool,
-                aux: bool):
+                aux: bool, sp=None):
     """The forward of the chunk of lines from `first_line` on (whose scored tokens are `targets`), run inside
     `through_engine`. Returns a dict of tensors: logps [t], entropy [t] (if asked), router_logits
-    [layers, lines x slots, experts] (if aux)."""
+    [layers, lines x slots, experts] (if aux). With `sp` (`core.sequence_parallel`) this rank holds 1/N of each line's
+    columns: the head runs on the targets predicted there, and the results are summed over the group."""
     hf = base_model(model)
+    line, column, ids = lines.target_line[targets] - first_line, lines.target_col[targets], lines.target_ids[targets]
+    if sp is not None:
+        mine, local = sp.owned(column, lines.input_ids.shape[1])
+        line, column, ids = line[mine], local, ids[mine]
 
     def body(inner_forward, **inputs) -> dict:
         with recording_router_logits(model) if aux else contextlib.nullcontext() as router:
             hidden, last_logits = final_hidden_states(model, inner_forward, **inputs)
-        predictors = hidden[lines.target_line[targets] - first_line, lines.target_col[targets]]
-        logps, ent = trl_head(hf, predictors, lines.target_ids[targets], settings, entropy)
+        logps, ent = trl_head(hf, hidden[line, column], ids, settings, entropy)
+        if sp is not None:
+            logps = sp.gathered(logps, mine)
+            ent = None if ent is None else sp.gathered(ent, mine)
         if last_logits is not None and last_logits.requires_grad:
             # A path of exactly zero from the model's own head call to the result: FSDP2 crashes in backward
             # when an output of a sharded module reaches no loss, and a pass with no scored token (every
@@ -148,6 +155,7 @@ def group_logps(
     compute_entropy: bool = False,
     aux_row_chunks: list[torch.Tensor] | None = None,
     tokens_per_pass: int | None = None,
+    sp=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TRL's `(per-token log-probs [N, K], entropies [N, K] or None, MoE aux loss or None)` from the lines.
 
@@ -155,7 +163,12 @@ def group_logps(
     reuse's budget (a line over it runs its prompt once and its completions in chunks, `core.prefix_reuse`), or None.
     aux_row_chunks: TRL's forwards as row-index tensors, when the load-balancing loss is asked for: TRL
     averages it over its forwards, each over its own rows' real tokens (`aux_token_weights`).
+    sp: this rank's sequence-parallel group (`core.sequence_parallel`; every rank of it runs these same lines), or
+    None.
     """
+    if sp is not None and aux_row_chunks is not None:
+        raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
+                          "router_aux_loss_coef 0, or sequence_parallel_size 1")
     aux = aux_row_chunks is not None
     logps, entropies, router = [], [], []
     for start, end in line_chunks(lines, max_slots):
@@ -166,7 +179,8 @@ def group_logps(
                               "chunks, not the lines' layout): set router_aux_loss_coef 0, or prefix_reuse false")
         inputs = {"input_ids": lines.input_ids[start:end], "position_ids": lines.position_ids[start:end],
                   "attention_mask": mask, "spans": lines.spans[start:end]}
-        out = through_engine(model, _lines_body(model, lines, start, targets, settings, compute_entropy, aux), **inputs)
+        body = _lines_body(model, lines, start, targets, settings, compute_entropy, aux, sp)
+        out = through_engine(model, body, **sharded_inputs(sp, inputs))
         logps.append(out["logps"])
         if compute_entropy:
             entropies.append(out["entropy"])

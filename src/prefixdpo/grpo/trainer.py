@@ -47,7 +47,10 @@ from trl import GRPOTrainer, RLOOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import RepeatSampler
 
+from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
+from prefixdpo.data.lines import padded
+from prefixdpo.errors import ConfigError
 from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
@@ -91,6 +94,10 @@ class PrefixSharedLogps:
         # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
         self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
         self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
+        size = getattr(self.args, "sequence_parallel_size", 1)  # a plain TRL config has no such option: 1
+        if size > 1:
+            sequence_parallel.check_model(self.model, size)
+        self._sequence_parallel = sequence_parallel.new_sequence_parallel(size)
         if not self._option("prefix_sharing"):
             return
         backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
@@ -111,14 +118,25 @@ class PrefixSharedLogps:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        if self._sequence_parallel is not None:
+            return self._group_passes(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                      compute_aux_loss, multimodal)
         reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
         if reason is not None:
             self._note_fallback(reason)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
+        return self._shared_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                 compute_aux_loss)
+
+    def _shared_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                     compute_aux_loss, sp=None, count: bool = True, slot: int = 0):
+        """TRL's (log-probs [N, K], entropies or None, aux loss or None) of rows [N, L] on prefix-shared lines; with
+        `sp`, every rank of its group runs these rows, each 1/N of every line's columns. count: add the lines to the
+        sharing metrics (under sequence parallelism only the rank whose rows they are does); slot: `_lines`'."""
         backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
-        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend)
+        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend, sp, slot)
         N, L = input_ids.shape
         rows_per_forward = batch_size or N
         # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
@@ -128,20 +146,63 @@ class PrefixSharedLogps:
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
                                  compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
-                                 tokens_per_pass=self._tokens_per_pass)
-        self._count_sharing(lines)
+                                 tokens_per_pass=self._tokens_per_pass, sp=sp)
+        if count:
+            self._count_sharing(lines)
         return result
 
-    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str) -> GroupLines:
+    def _group_passes(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                      compute_aux_loss, multimodal):
+        """The pass under sequence parallelism: TRL deals different rows to the ranks of a group, so the group runs
+        each member's rows in turn, all together (each rank 1/N of every line's columns, `_shared_pass`), and keeps
+        its own. Each rank's result also depends (times 0) on the other members' passes, so every rank runs the
+        same backward, collectives in the same order; their backward sums bring each member's gradient to every rank
+        (`core.sequence_parallel`), and DDP's average over ranks is then that of TRL's data-parallel run."""
+        sp = self._sequence_parallel
+        if compute_aux_loss:
+            raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
+                              "router_aux_loss_coef 0, or sequence_parallel_size 1")
+        reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
+        members: list = [None] * sp.size
+        torch.distributed.all_gather_object(
+            members, (input_ids.cpu(), attention_mask.cpu(), int(logits_to_keep), reason is None), group=sp.group)
+        mine, others = None, []
+        for member, (ids, mask, keep, shared) in enumerate(members):
+            if not shared:  # TRL's own pass of that member's rows, on that rank alone
+                if member == sp.rank:
+                    self._note_fallback(reason)
+                    mine = super()._get_per_token_logps_and_entropies(
+                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, False,
+                        **multimodal)
+                continue
+            if member == sp.rank:
+                ids, mask = input_ids, attention_mask
+            out = self._shared_pass(model, ids.to(input_ids.device), mask.to(input_ids.device), keep, batch_size,
+                                    compute_entropy, False, sp, count=member == sp.rank, slot=member)
+            if member == sp.rank:
+                mine = out
+            else:
+                others.extend(t for t in out if t is not None)
+        logps, entropies, aux = mine
+        if others and logps.requires_grad:
+            logps = logps + sum(t.sum() for t in others) * 0.0
+        return logps, entropies, aux
+
+    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str, sp=None,
+               slot: int = 0) -> GroupLines:
         """The lines of this pass; the previous pass's (and the masks built for them) when its rows are the same:
         TRL runs the reference and old-policy passes on the same rows, and the policy pass on rows of equal
-        content, so one layout and one set of masks serve them all (as the DPO step shares its mask)."""
+        content, so one layout and one set of masks serve them all (as the DPO step shares its mask). slot: whose
+        rows (under sequence parallelism each member's rows keep their own layout, `_group_passes`)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
         settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
-                    str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass)
-        cached = getattr(self, "_last_layout", None)
+                    str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass,
+                    1 if sp is None else sp.size)
+        layouts = self.__dict__.setdefault("_layouts", {})
+        cached = layouts.get(slot)
         if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
                 and _same(cached[2], attention_mask)):
+            self._last_layout = cached
             return cached[3]
         lines = layout_groups(
             input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
@@ -149,7 +210,10 @@ class PrefixSharedLogps:
             bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
             alone_above=self._tokens_per_pass,  # prefix reuse: a longer group gets a line of its own
         )
-        self._last_layout = (settings, input_ids.detach().clone(), attention_mask.detach().clone(), lines)
+        if sp is not None:  # each rank of the group holds an equal share of every line's columns
+            lines = padded(lines, sp.size)
+        self._last_layout = layouts[slot] = (settings, input_ids.detach().clone(), attention_mask.detach().clone(),
+                                             lines)
         return lines
 
     def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:

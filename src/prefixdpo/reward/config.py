@@ -17,13 +17,15 @@ from transformers import TrainingArguments
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
-    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, check_shared_options, eval_split,
+    DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, SequenceParallelOptions,
+    check_shared_options, eval_split,
     resolve_before_trainer_args,
 )
 
 
 @dataclass
-class PrefixRewardConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, TrainingArguments):
+class PrefixRewardConfig(PrefixSharingOptions, PrefixReuseOptions, RunSafetyOptions, SequenceParallelOptions,
+                      TrainingArguments):
     """Options of `PrefixRewardTrainer` (TRL `RewardConfig` names + prefix-sharing options + TrainingArguments)."""
 
     # ---- TrainingArguments defaults that TRL's RewardConfig changes ----

@@ -35,7 +35,9 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from prefixdpo.core import sequence_parallel
 from prefixdpo.training.callbacks import RunCallback
+from prefixdpo.training.metrics import MetricSums
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.core.fingerprints import data_fingerprint
 from prefixdpo.core.fit import check_run_fits
@@ -102,13 +104,41 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
     def _init_run_state(self) -> None:
         """Per-run state, after `Trainer.__init__` (the model is in place)."""
         self._offload = activation_offloading_context(self.model, self.args.activation_offloading)
-        self._metrics = {"train": self._new_metric_sums(), "eval": self._new_metric_sums()}
+        self._init_sequence_parallel(self.model)
+        self._metrics = {split: self._counted(self._new_metric_sums()) for split in ("train", "eval")}
         self._pairs_trained = 0.0
         self._train_micro: MicroBatches | None = None
         self.engine_description = "not started"  # set when training begins (`engines.describe_engine`)
         self._init_survival()  # the non-finite guard, preemption, checkpoints of this run (`survival.py`)
         self.run_callback = RunCallback(self)
         self.add_callback(self.run_callback)
+
+    def _init_sequence_parallel(self, model) -> None:
+        """This rank's sequence-parallel group (`sequence_parallel_size`; None for 1), checked against `model` and
+        attached to it (`core.sequence_parallel`); the data-parallel rank and world the loaders deal to."""
+        size = getattr(self.args, "sequence_parallel_size", 1)
+        if size > 1:
+            sequence_parallel.check_model(model, size)
+        self.sequence_parallel = sequence_parallel.new_sequence_parallel(size)
+        self._dp_rank, self._dp_world = sequence_parallel.data_parallel(size) if size > 1 else (
+            self.args.process_index, self.args.world_size)
+        self._attach_sequence_parallel(model)
+
+    def _attach_sequence_parallel(self, *models) -> None:
+        """Every pass of `models` (the policy, a separate reference) runs over this rank's group."""
+        for model in models:
+            if model is not None:
+                sequence_parallel.attach(model, self.sequence_parallel)
+
+    @property
+    def sp_size(self) -> int:
+        return 1 if getattr(self, "sequence_parallel", None) is None else self.sequence_parallel.size
+
+    def _counted(self, sums: MetricSums) -> MetricSums:
+        """`sums`, counted in the reduce over ranks only on the first rank of each sequence-parallel group (every
+        rank of a group sees the same lines and pairs)."""
+        sums.counted = self.sequence_parallel is None or self.sequence_parallel.rank == 0
+        return sums
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -141,8 +171,9 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         return None
 
     def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
-        return MicroBatches(examples, self._loader_settings(train=train), rank=self.args.process_index,
-                            world_size=self.args.world_size, ref_table=self._reference_table(examples, name))
+        # the ranks of a sequence-parallel group run the same micro-batches: the data-parallel rank and world
+        return MicroBatches(examples, self._loader_settings(train=train), rank=self._dp_rank,
+                            world_size=self._dp_world, ref_table=self._reference_table(examples, name))
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -184,8 +215,10 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         return self._poisoned_if_training(result, model, return_outputs)
 
     def _step_share(self, inputs) -> float:
-        """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring)."""
-        return self.accelerator.num_processes / max(self._micro_batch(inputs).step_pairs, 1)
+        """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring); M / N with M
+        data-parallel groups of sequence-parallel ranks, whose backward already sums each group's ranks
+        (`core.sequence_parallel`)."""
+        return self.accelerator.num_processes / self.sp_size / max(self._micro_batch(inputs).step_pairs, 1)
 
     # ---- evaluation and logging -------------------------------------------------------------
 
@@ -195,7 +228,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         was_training = model.training
         model.eval()
-        sums = self._metrics["eval"] = self._new_metric_sums()
+        sums = self._metrics["eval"] = self._counted(self._new_metric_sums())
         with torch.no_grad():
             for inputs in dataloader:
                 self._pair_step(model, inputs, "eval")
@@ -228,7 +261,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
             return
         micro = self._micro_batch(inputs)
         tokens = torch.tensor(micro.slots if how == "all" else micro.real_tokens, device=self.args.device)
-        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item())
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item()) // self.sp_size
 
     # ---- checkpoints --------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ class MetricSums:
     names its sums in `KEYS` (with `COUNTS`) and turns the reduced sums into its logged metrics (`means`)."""
 
     KEYS: tuple[str, ...] = COUNTS
+    counted = True  # False: this rank's sums are another's copy (a sequence-parallel group's), reduced as zeros
 
     def __init__(self) -> None:
         self.last_pairs = 0.0  # pairs (all ranks) of the last summary
@@ -36,7 +37,7 @@ class MetricSums:
 
     def reduced(self, accelerator=None) -> dict[str, float]:
         """The sums over all ranks (one all-reduce; a collective: call it on every rank)."""
-        t = torch.tensor([self.values[k] for k in self.KEYS], dtype=torch.float64)
+        t = torch.tensor([self.values[k] if self.counted else 0.0 for k in self.KEYS], dtype=torch.float64)
         if accelerator is not None and accelerator.num_processes > 1:
             t = accelerator.reduce(t.to(accelerator.device), reduction="sum").cpu()
         return dict(zip(self.KEYS, t.tolist()))

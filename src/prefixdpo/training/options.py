@@ -117,6 +117,45 @@ def resolve_tokens_per_pass(args, model) -> int | None:
     return budget
 
 
+SEQUENCE_PARALLEL_HELP = (
+    "Ranks that hold one line between them (Ulysses sequence parallelism, DeepSpeed's all-to-all; `accelerate`'s "
+    "sp_size): each rank runs 1/N of the line's tokens outside attention and 1/N of the heads over the whole line "
+    "inside it, with prefixdpo's mask on every backend. Launch a multiple of N processes: N x M ranks train M "
+    "data-parallel groups (DDP or FSDP2 over all ranks). The model's attention heads and key/value heads must be "
+    "multiples of N. Not with prefix_reuse, precompute_ref_log_probs or the MoE load-balancing loss yet.")
+
+
+@dataclass
+class SequenceParallelOptions:
+    """One line over several ranks (`core.sequence_parallel`)."""
+
+    sequence_parallel_size: int = field(default=1, metadata={"help": SEQUENCE_PARALLEL_HELP})
+
+
+def check_sequence_parallel(args) -> None:
+    """One-line ConfigErrors for `sequence_parallel_size` and the options it cannot run with yet."""
+    size = args.sequence_parallel_size
+    if size < 1:
+        raise ConfigError(f"sequence_parallel_size={size}: must be >= 1")
+    if size == 1:  # whether it divides the launched processes: when the trainer builds the groups
+        return
+    if getattr(args, "prefix_reuse", False):
+        raise ConfigError(f"prefix_reuse=true is not supported with sequence_parallel_size={size} yet: set one of "
+                          "them off")
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise ConfigError(f"precompute_ref_log_probs=True is not supported with sequence_parallel_size={size} yet "
+                          "(its table's rows are shared out over every rank): leave it off (the reference runs each "
+                          "step)")
+    if getattr(args, "packing", False):
+        length = args.pack_length
+        if str(length) == "auto" and 128 % size:
+            raise ConfigError(f"packing with pack_length auto (a multiple of 128) does not split over "
+                              f"sequence_parallel_size={size}: set pack_length to a multiple of {size}")
+        if str(length) != "auto" and int(length) % size:
+            raise ConfigError(f"pack_length={length} is not a multiple of sequence_parallel_size={size}: each rank "
+                              "holds an equal share of every line")
+
+
 @dataclass
 class RunSafetyOptions:
     """What a run does with a non-finite step, and with an output_dir that holds another run."""
@@ -256,6 +295,7 @@ def check_shared_options(args) -> None:
         raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r}: expected a JSON object, e.g. "
                           '\'{"dtype": "bfloat16"}\'')
     check_attention_and_pack_length(args)
+    check_sequence_parallel(args)
     if str(args.pack_length) != "auto":
         if not args.packing:
             raise ConfigError(f"pack_length={args.pack_length} has no effect without packing: add --packing true, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prefixdpo.core.engines import EngineSettings, enable_requested_fsdp, refuse_unsupported_engine_options
 from prefixdpo.core.fit import Batches, FitSettings
+from prefixdpo.core.sequence_parallel import pad_multiple_for
 from prefixdpo.data.loader import LoaderSettings
 
 __all__ = ["loader_settings", "fit_settings", "engine_settings", "apply_engine_settings"]
@@ -22,7 +23,9 @@ def loader_settings(args, *, train: bool, batch_size: int, pad_token: int, backe
     return LoaderSettings(
         batch_size=batch_size, prefix_sharing=args.prefix_sharing, packing=args.packing,
         pack_length=None if str(args.pack_length) == "auto" else int(args.pack_length),
-        pad_token_id=pad_token, pad_multiple=args.pad_to_multiple_of or 1,
+        pad_token_id=pad_token,
+        # every line splits evenly over the sequence-parallel ranks
+        pad_multiple=pad_multiple_for(args.pad_to_multiple_of, getattr(args, "sequence_parallel_size", 1)),
         bucket=backend == "flex",  # compiled flex: few line lengths, few recompiles
         shuffle=train,
         sequential=train and args.train_sampling_strategy == "sequential",

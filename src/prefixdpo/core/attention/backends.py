@@ -49,7 +49,17 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
 
     None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then. A mask carrying
     `prefix_kv` (`PrefixKV`, prefix reuse) records this layer's keys and values, or puts a cached prefix's before them.
+    A mask carrying `sequence_parallel` (`core.sequence_parallel`): query/key/value hold this rank's l = L / N
+    columns; the attention runs on head shards of the whole line (the mask's) between two all-to-alls.
     """
+    sp = getattr(attention_mask, "sequence_parallel", None)
+    if sp is not None:
+        return sp.attend(_line_attention, module, query, key, value, attention_mask, **kwargs)
+    return _line_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def _line_attention(module, query, key, value, attention_mask, **kwargs):
+    """`prefix_attention_forward` over whole lines: query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None)."""
     store = getattr(attention_mask, "prefix_kv", None)
     if store is not None:
         key, value = store.keys_values(module, key, value)

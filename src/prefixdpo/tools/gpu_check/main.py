@@ -1,9 +1,9 @@
 """`make gpu-check`: the GPU route proved in one command, on one CUDA device, in under 8 minutes.
 
     PYTHONPATH=src python3 -m prefixdpo.tools.gpu_check [--out DIR] [--budget-s S]
-        [--sections verify,train,bench,grpo]
+        [--sections verify,train,sp,bench,grpo]
 
-Four sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
+Five sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
 ($OUT when set, else gpu-check-results):
 
 - verify (`gpu_check.dpo`, as train and bench): tiny Llama, Qwen2, Qwen3, Mistral and Gemma-2 (soft-capping:
@@ -15,6 +15,9 @@ Four sections, each a list of checks; a table on stdout, and gpu-check.json + gp
   near-zero gradient into a full-size step, which would hide the comparison). Then QLoRA as
   `prefixdpo train --use_peft --load_in_4bit` runs it (`qlora_check`), where bitsandbytes, peft and TRL are
   installed (skipped with one line naming what is missing).
+- sp (`gpu_check.sequence_parallel`): sequence parallelism's attention over head shards of the whole line equals the
+  attention over all heads, per backend, on one device; with 2 CUDA devices, 2 NCCL ranks holding one 4,096-token
+  row between them against one process (sums, activations and max allocated memory per rank); n/a on one device.
 - bench: `prefixdpo.tools.bench` on a compute-bound Llama shape (hidden 2048, 8 layers, bf16, rows up to 4096
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
@@ -25,7 +28,7 @@ Four sections, each a list of checks; a table on stdout, and gpu-check.json + gp
   the budget, and the whole step on the first profile ("grpo bench", never fails the run). The GRPO bench gets the last
   `--grpo-budget-s` seconds of the budget.
 
-Exit status: 1 if a verify, train or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
+Exit status: 1 if a verify, train, sequence parallel or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
 Imports only torch, transformers and prefixdpo's own modules at module level (no `datasets`, no TRL: the GPU
 machine may have neither; the grpo section imports TRL only after finding it; the QLoRA step imports TRL, peft
 and bitsandbytes only where all three are installed).
@@ -50,12 +53,13 @@ from prefixdpo.tools.gpu_check.dpo import (
     ARCHS, BENCH_MAX_LENGTH, BENCH_SHAPE, DTYPES, QLORA_CHECK, bench_profiles, bench_section, qlora_check,
     train_check, verify_check,
 )
+from prefixdpo.tools.gpu_check import sequence_parallel
 from prefixdpo.tools.gpu_check.results import CheckResult, format_table, guarded, verdict, write_reports, exit_status
 
 __all__ = ["SECTIONS", "GRPO_ARCHS", "GRPO_PROFILES", "attention_backends", "planned_checks", "grpo_missing",
            "grpo_section", "main"]
 
-SECTIONS = ("verify", "train", "bench", "grpo")  # what --sections chooses from
+SECTIONS = ("verify", "train", "sp", "bench", "grpo")  # what --sections chooses from
 # gpu_check.grpo's and bench.grpo's names, spelled out here: importing them imports TRL (tested equal)
 GRPO_ARCHS = ("llama", "qwen2")
 GRPO_PROFILES = ("math-like", "long-context", "math-like-g16")
@@ -76,6 +80,8 @@ def planned_checks(backends: list[str] | None = None, sections=SECTIONS) -> list
         plan += [("verify", f"{arch} {dtype} {b}") for arch in ARCHS for dtype in DTYPES for b in backends]
     if "train" in sections:
         plan += [("train", f"llama float32 {b}") for b in backends] + [("train", QLORA_CHECK)]
+    if "sp" in sections:
+        plan += sequence_parallel.planned(backends)
     if "bench" in sections:
         plan += [("bench", f"{p} {b}") for p in bench_profiles() for b in backends]
     if "grpo" in sections:
@@ -128,7 +134,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help="directory for gpu-check.json and gpu-check.md (default $OUT, else gpu-check-results)")
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="seconds after which remaining bench runs are skipped (default 450)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of verify,train,bench")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--bench-examples", type=int, default=16, help="examples per bench profile (default 16)")
     p.add_argument("--bench-per-step", type=int, default=8, help="examples per optimizer step (default 8)")
     p.add_argument("--bench-repeats", type=int, default=2, help="counted passes (default 2)")
@@ -177,6 +183,8 @@ def exactness_sections(sections: list[str], backends: list[str], device: str) ->
             log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
         results.append(guarded("train", QLORA_CHECK, qlora_check, device))
         log(f"  train {results[-1].name}: {results[-1].status} {results[-1].detail}")
+    if "sp" in sections:
+        results += sequence_parallel.section(backends, device, log=log)
     return results
 
 
