@@ -226,3 +226,18 @@ def test_sequence_parallel_section_checks_head_shards_and_says_when_it_needs_two
     assert results[0].numbers["max_diff"] <= results[0].numbers["bound"]
     assert results[2].status == "n/a" and "needs 2 CUDA devices" in results[2].detail  # a CPU machine: 0 devices
     assert len(lines) == 3
+
+
+def test_the_prefix_reuse_section_compares_reused_passes_with_one_row(monkeypatch):
+    """The reuse check runs on CPU backends too (on CUDA it is flex's and varlen's only run over external keys): it
+    passes on the real code, and fails when a reused pass's hidden states are off by 1e-2."""
+    from prefixdpo.core import prefix_reuse
+    from prefixdpo.tools.gpu_check import prefix_reuse as reuse_section
+
+    assert ("prefix reuse", "reuse llama flex") in gpu_check.planned_checks(["flex", "sdpa"], sections=("reuse",))
+    result = reuse_section.reuse_check("llama", "segmented", "cpu")
+    assert result.status == "ok", result.detail
+    assert all(n >= 3 for n in result.numbers["chunks"])
+    zero_path = prefix_reuse._with_zero_path
+    monkeypatch.setattr(prefix_reuse, "_with_zero_path", lambda hidden, out: zero_path(hidden, out) + 1e-2)
+    assert reuse_section.reuse_check("llama", "segmented", "cpu").status == "FAIL"
