@@ -33,38 +33,34 @@ RLOO_SCRIPT = (SCRIPT.replace("PrefixGRPOConfig", "PrefixRLOOConfig").replace("P
 results = {{"run": run("run", 4, sequence_parallel_size=int(sys.argv[3]))}}"""))
 
 
-def test_rloo_on_two_sequence_parallel_ranks_equals_two_ddp_ranks(tmp_path):
+def _run(tmp_path, script_text: str, runs: dict[str, tuple[int, list[str]]]) -> dict:
+    """Each run's results: `runs` names a run by its (processes, extra script arguments); one saved tiny model."""
     from grpo_common import saved_tiny_model
 
-    for piece in (', loss_type="dapo"', "rollout_func=rollout, "):
-        assert piece in SCRIPT  # what the RLOO script drops
     model_dir = saved_tiny_model(tmp_path / "model")
     script = tmp_path / "script.py"
-    script.write_text(RLOO_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    script.write_text(script_text.format(tests=os.path.dirname(os.path.abspath(__file__))))
     results = {}
-    for sp in (1, 2):
-        out = tmp_path / f"sp{sp}"
+    for name, (nproc, extra) in runs.items():
+        out = tmp_path / name
         out.mkdir()
-        run_processes(2, str(script), str(out), model_dir, str(sp))
-        results[sp] = json.loads((out / "result.json").read_text())["run"]
-    worst = _same_training(results[1], results[2])
+        run_processes(nproc, str(script), str(out), model_dir, *extra)
+        results[name] = json.loads((out / "result.json").read_text())
+    return results
+
+
+def test_rloo_on_two_sequence_parallel_ranks_equals_two_ddp_ranks(tmp_path):
+    for piece in (', loss_type="dapo"', "rollout_func=rollout, "):
+        assert piece in SCRIPT  # what the RLOO script drops
+    results = _run(tmp_path, RLOO_SCRIPT, {"sp1": (2, ["1"]), "sp2": (2, ["2"])})
+    worst = _same_training(results["sp1"]["run"], results["sp2"]["run"])
     print(f"REPORT rloo sequence parallel 2 ranks vs 2 DDP ranks: worst metric difference {worst:.2f} eps x its scale")
 
 
-def test_grpo_on_two_sequence_parallel_ranks_equals_one_process(tmp_path):
-    from grpo_common import saved_tiny_model
-
-    model_dir = saved_tiny_model(tmp_path / "model")
-    script = tmp_path / "script.py"
-    script.write_text(SP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"np{nproc}"
-        out.mkdir()
-        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL 1.16
-        run_processes(nproc, str(script), str(out), model_dir)
-        results.update(json.loads((out / "result.json").read_text()))
-    worst = _same_training(results["one"], results["sp"])
+def test_grpo_on_two_sequence_parallel_ranks_equals_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
+    results = _run(tmp_path, SP_SCRIPT, {"np1": (1, []), "np2": (2, [])})
+    worst = _same_training(results["np1"]["one"], results["np2"]["sp"])
     print(f"REPORT grpo sequence parallel 2 ranks vs 1 process: worst metric difference {worst:.2f} eps x its scale")
 
 

@@ -121,8 +121,9 @@ def of(model) -> SequenceParallel | None:
 
 def data_parallel(size: int) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel world size): consecutive ranks form a sequence group."""
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
-        if torch.distributed.is_available() and torch.distributed.is_initialized() else (0, 1)
+    from prefixdpo.core.rank_decisions import rank_and_world
+
+    rank, world = rank_and_world()
     return rank // size, max(world // size, 1)
 
 

@@ -179,11 +179,11 @@ def empty_batch(pad_token_id: int = 0, pad_multiple: int = 1) -> Batch:
     The token is a trie of its own (not padding), so it attends to itself like a real token; targets, responses and
     pairs are empty."""
     none = torch.zeros(0, dtype=torch.long)
-    return padded(Batch(input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
-                 position_ids=torch.zeros((1, 1), dtype=torch.long), spans=torch.tensor([[[0, 1]]]),
-                 target_line=none, target_col=none, target_ids=none, target_response=none, response_line=none,
-                 response_last=none, response_lengths=none, pair_better=none, pair_worse=none, max_sequence_length=1),
-                  pad_multiple, pad_token_id)
+    one = Batch(input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
+                position_ids=torch.zeros((1, 1), dtype=torch.long), spans=torch.tensor([[[0, 1]]]),
+                target_line=none, target_col=none, target_ids=none, target_response=none, response_line=none,
+                response_last=none, response_lengths=none, pair_better=none, pair_worse=none, max_sequence_length=1)
+    return padded(one, pad_multiple, pad_token_id)
 
 
 def stand_in_batch(pad_token_id: int = 0, pad_multiple: int = 1) -> Batch:
