@@ -105,18 +105,36 @@ def run_fault_trials(driver: str, workdir, trials: list[dict], env: dict, *drive
 
 def finish_ranks(rank: int, out_dir: str, results) -> None:
     """The end of a script run by `run_processes`: rank 0 writes `results` to out_dir/result.json, then every rank
-    leaves the process group together (gloo threads of a rank that left early abort the others)."""
+    leaves (`leave_ranks`)."""
     import json
     import os
-
-    import torch
 
     if rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as fh:
             json.dump(results, fh)
+    leave_ranks(0)
+
+
+def leave_ranks(code: int = 0) -> None:
+    """The last act of a rank script: every rank leaves the process group together, then the process ends with
+    `code` without the interpreter's finalization.
+
+    Why both. A rank that leaves early aborts the others (its peers' gloo threads lose their pair). And after a clean
+    destroy_process_group, a gloo worker thread can still be dropping its last reference to a tensor a Python object
+    owns; that needs the GIL, and a thread taking the GIL while the interpreter finalizes is ended by pthread_exit,
+    which C++ turns into std::terminate ("terminate called without an active exception", SIGABRT: rare, seen under
+    load; pytorch/pytorch PR 179291 describes it). `os._exit` after flushing ends the process before finalization."""
+    import os
+    import sys
+
+    import torch
+
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def tiny_model(arch: str, **overrides):

@@ -8,14 +8,13 @@ Rank 0 writes OUT/result.json: {NAME: [one result per rank]}.
 """
 
 import hashlib
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import make_examples, tiny_model  # noqa: E402
+from conftest import finish_ranks, make_examples, tiny_model  # noqa: E402
 
 import prefixdpo.tools.demo as demo  # noqa: E402
 from prefixdpo.dpo.config import PrefixDPOConfig  # noqa: E402
@@ -83,12 +82,7 @@ def main() -> None:
         name, dirs = rest.split("=", 1)
         run = {"cache": cache_run, "demo": demo_run}[kind]
         results[name] = gather(run(os.path.join(out, f"{name}-rank{rank}"), dirs.split(",")[rank]))
-    if rank == 0:
-        with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: a rank exiting while gloo's threads run aborts
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out, results)
 
 
 if __name__ == "__main__":

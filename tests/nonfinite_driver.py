@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import make_examples, tiny_model  # noqa: E402
+from conftest import leave_ranks, make_examples, tiny_model  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from prefixdpo.dpo.config import PrefixDPOConfig  # noqa: E402
@@ -192,11 +192,8 @@ def main(out_dir: str, model_dir: str, data: str, *engines: str) -> int:
     code = run_command_line(out_dir, model_dir, data)
     for name, options in (ZERO_CASES if "zero" in engines else {}).items():
         save_case(out_dir, name, run_case(out_dir, name, **options))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: gloo threads of a rank that left early abort the other
-        torch.distributed.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    leave_ranks(main(*sys.argv[1:]))

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples, tiny_model
+    from conftest import finish_ranks, make_examples, tiny_model
     from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
     from prefixdpo.dpo.loss_table import LOSS_TABLE
 
@@ -91,13 +91,7 @@ SCRIPT = textwrap.dedent(
                 update = (flat(t.model) - before) / LR  # SGD: -gradient
                 results[f"{{loss}}/{{layout}}"] = {{"log": log,
                                                    "grad": update[:: max(1, update.numel() // 4000)].tolist()}}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        # leave together: a rank exiting while gloo's threads still run aborts with "terminate called"
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_ranks(int(os.environ.get("RANK", "0")), out_dir, results)
     """
 )
 

@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
     import hashlib, json, os, random, sys
     import torch
     sys.path.insert(0, {tests!r})
+    from conftest import finish_ranks
     from grpo_common import INSTRUCTION, prompt_dataset, reward_vowels, tokenizer
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -93,12 +94,7 @@ SCRIPT = textwrap.dedent(
                     "fsdp-reused": run("fsdp-reused", 4, prefix_reuse=True, max_tokens_per_pass="12", **FSDP)}}
     else:
         results = {{"one": run("one", 8)}}
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as fh:
-            json.dump(results, fh)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_ranks(rank, out_dir, results)
     """
 )
 

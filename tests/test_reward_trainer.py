@@ -178,7 +178,7 @@ DDP_SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples
+    from conftest import finish_ranks, make_examples
     from test_reward_scores import tiny_reward_model
     from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
 
@@ -194,12 +194,8 @@ DDP_SCRIPT = textwrap.dedent(
     sharded = [type(p).__name__ == "DTensor" for p in t.model.parameters()]
     params = torch.cat([(p.full_tensor() if sharded[i] else p).detach().flatten()
                         for i, p in enumerate(t.model.parameters())])
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump({{"logs": logs, "params": params.tolist(), "sharded": sum(sharded), "all": len(sharded),
-                        "engine": t.engine_description}}, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # leave together (gloo threads)
+    finish_ranks(int(os.environ.get("RANK", "0")), out, {{"logs": logs, "params": params.tolist(),
+                 "sharded": sum(sharded), "all": len(sharded), "engine": t.engine_description}})
     """
 )
 
