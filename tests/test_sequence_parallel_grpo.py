@@ -17,7 +17,7 @@ import pytest
 from conftest import run_processes
 from test_grpo_distributed import SCRIPT, _same_training
 
-ONE_OR_SP = SCRIPT[SCRIPT.index("\nif world > 1:"):SCRIPT.index("\nif rank == 0:")]
+ONE_OR_SP = SCRIPT[SCRIPT.index("\nif world > 1:"):SCRIPT.index("\nfinish_ranks(")]
 SP_SCRIPT = SCRIPT.replace(ONE_OR_SP, """
 if world > 1:
     results = {{"sp": run("sp", 4, sequence_parallel_size=2)}}
