@@ -194,7 +194,32 @@ def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path, clock):
         for packed in ("paired-packed", "shared-packed"):  # one line per step, padded to 8 (segmented), not 128
             mode = prof["modes"][packed]
             assert mode["lines"] == mode["steps"] and mode["slots"] - mode["tokens"] < 8 * mode["lines"]
+        roof = prof["roofline"]  # each mode's useful FLOP/s beside the matmul rate read after each pass
+        assert roof["matmul"].startswith("2048^3 float32, 1 threads") and roof["matmul_gflops"]["min"] > 0
+        assert set(roof["share"]) == set(MODES) and all(s["min"] > 0 for s in roof["share"].values())
+        # paired modes must compute each pair's two sequences; shared ones each prompt once, whatever the packing
+        assert roof["useful_gflop"]["paired"] == roof["useful_gflop"]["paired-packed"]
+        assert roof["useful_gflop"]["shared"] == roof["useful_gflop"]["shared-packed"] < roof["useful_gflop"]["paired"]
+    assert "## Roofline" in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_roofline_shares_are_per_pass_ratios_of_useful_flops_over_the_matmul_rate():
+    import torch
+
+    from prefixdpo.tools.bench.roofline import Roofline, RooflineProbe
+
+    # 25 GFLOP forward -> a DPO step's useful 100 GFLOP (policy 3 + reference 1); passes of 2 s and 4 s, with the
+    # matmul at 100 then 50 GFLOP/s: 50 and 25 GFLOP/s useful, half the roofline in both passes
+    roof = Roofline.of(RooflineProbe(torch.float32), torch.device("cpu"), [100.0, 50.0],
+                       {"paired": [2.0, 4.0], "shared": [1.0, 1.0]}, {"standard": 25e9, "per_record": 10e9})
+    assert roof.useful_gflop == {"paired": 100.0, "shared": 40.0}
+    assert (roof.useful_gflops["paired"].min, roof.useful_gflops["paired"].max) == (25.0, 50.0)
+    assert (roof.share["paired"].min, roof.share["paired"].max) == (0.5, 0.5)
+    assert (roof.share["shared"].min, roof.share["shared"].max) == (0.4, 0.8)
+    reward = Roofline.of(RooflineProbe(torch.float32, forwards_per_step=3), torch.device("cpu"), [100.0],
+                         {"shared": [1.0]}, {"per_record": 10e9})
+    assert reward.useful_gflop == {"shared": 30.0}
 
 
 class _SleepingStep:

@@ -39,6 +39,7 @@ __all__ = [
     "ideal_speedup",
     "trie_flop_count",
     "step_ideals",
+    "step_flop_totals",
 ]
 
 
@@ -236,10 +237,11 @@ def trie_flop_count(shape: ModelShape, examples: Sequence[Example]) -> FlopCount
     return forward_flops(shape, len(line), sum(d + 1 for d in line.position_ids), len(targets))
 
 
-def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None) -> dict[str, float]:
-    """Useful-FLOP speedups over standard DPO of the records of each optimizer step in `steps`:
+def step_flop_totals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None) -> dict[str, int]:
+    """Useful forward FLOPs of the records of each optimizer step in `steps`, summed, per layout:
 
-    per_record: each record its own prefix-shared row (`ideal_speedup`);
+    standard:   each pair's two sequences on their own (`standard_flop_count`);
+    per_record: each record its own prefix-shared row (`shared_flop_count`);
     grouped:    a step's records of one prompt in one row (`group_by_prompt`), each distinct response once;
     trie:       a step's records in one line as a token trie (`trie_flop_count`).
 
@@ -255,6 +257,12 @@ def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None
         totals["per_record"] += sum(keep(shared_flop_count(shape, ex)).total for ex in step)
         totals["grouped"] += sum(keep(shared_flop_count(shape, ex)).total for ex in grouped)
         totals["trie"] += keep(trie_flop_count(shape, step)).total
+    return totals
+
+
+def step_ideals(shape: ModelShape, steps: Sequence[Sequence[Example]], keep=None) -> dict[str, float]:
+    """Useful-FLOP speedups over standard DPO of the layouts of `step_flop_totals` (per_record, grouped, trie)."""
+    totals = step_flop_totals(shape, steps, keep)
     if totals["per_record"] == 0:
         raise UserError("step_ideals: empty workload (no examples)")
     return {name: totals["standard"] / totals[name] for name in ("per_record", "grouped", "trie")}

@@ -109,6 +109,19 @@ def build_stepper(args, settings: dict, dtype, backend: str):
     return policy, shape, DPOStep(policy, reference, backend=backend)
 
 
+def roofline_probe(task: str, dtype: torch.dtype, cuda: bool):
+    """The roofline's matmul (`bench.roofline`): 2048^3 on CPU, 8192^3 on CUDA, in the step's dtype; a reward step
+    runs 3 forwards' worth (forward, backward) without the LM head, a DPO step 4 (the reference's forward too)."""
+    from prefixdpo.tools.bench.roofline import RooflineProbe
+
+    n = 8192 if cuda else 2048
+    if task == "reward":
+        from prefixdpo.tools.bench.reward import no_head
+
+        return RooflineProbe(dtype, n, forwards_per_step=3, keep=no_head)
+    return RooflineProbe(dtype, n)
+
+
 def reward_figures(workloads, results, shape) -> None:
     """A reward model's ideal and FLOP split in place of DPO's (the paper measured DPO: its numbers are not this
     task's)."""
@@ -202,7 +215,8 @@ def run_pair_bench(args, *, threads: int) -> int:
             results.append(run_workload(w, stepper, shape, device=args.device, repeats=settings["repeats"],
                                         warmup=settings["warmup"], progress=bar, pad_token_id=pad_id,
                                         line_per_step=line_per_step, trie=True,
-                                        line_multiple=line_multiple, clock=clock))
+                                        line_multiple=line_multiple, clock=clock,
+                                        roofline=roofline_probe(args.task, dtype, cuda)))
     elapsed = time.perf_counter() - t0
     if args.task == "reward":
         reward_figures(workloads, results, shape)

@@ -72,6 +72,23 @@ def _shared_prefix_table(results: list[ProfileResult]) -> list[str]:
     return lines
 
 
+def _roofline_table(results: list[ProfileResult]) -> list[str]:
+    """Each mode's useful GFLOP/s and its share of this device's matmul rate, per profile (`bench.roofline`)."""
+    rows = [r for r in results if r.roofline is not None]
+    if not rows:
+        return []
+    lines = ["", f"## Roofline: useful GFLOP/s per mode, and its share of this device's {rows[0].roofline.matmul} "
+             "matmul rate (per-pass ratios)", "",
+             "| profile | matmul GFLOP/s | mode | useful GFLOP per pass | useful GFLOP/s | share of matmul |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        roof = r.roofline
+        for m in r.modes:
+            lines.append(f"| {r.name} | {_spread(roof.matmul_gflops, '{:.0f}')} | {m} | {roof.useful_gflop[m]:.1f} | "
+                         f"{_spread(roof.useful_gflops[m], '{:.1f}')} | {_spread(roof.share[m], '{:.0%}')} |")
+    return lines
+
+
 def markdown_report(results: list[ProfileResult], meta: dict) -> str:
     """Two tables: per profile and mode (throughput, memory, padding), and the speedups vs the paper's."""
     lines = ["# prefixdpo bench", ""]
@@ -101,6 +118,7 @@ def markdown_report(results: list[ProfileResult], meta: dict) -> str:
             f"{_spread(r.speedups['shared_packed_vs_paired'])} | {r.ideal:.2f} | {r.achieved_over_ideal:.2f} | "
             f"{sum(met.values())}/{len(met)} |")
     lines += _shared_prefix_table(results)
+    lines += _roofline_table(results)
     lines += ["", "## Workloads", "",
               "| profile | examples | steps | length scale | pack length | FLOP split standard (body/attn/head) | "
               "FLOP split shared |", "|---|---|---|---|---|---|---|"]

@@ -17,7 +17,6 @@ the cost of a step, and so the four modes run literally the same modules.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,9 +26,11 @@ import torch
 from prefixdpo.tools.bench.memory import PeakMemory
 from prefixdpo.tools.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
 from prefixdpo.tools.bench.paper import PAPER
+from prefixdpo.tools.bench.roofline import Roofline, RooflineProbe
+from prefixdpo.tools.bench.spread import Spread
 from prefixdpo.tools.bench.step import DPOStep
 from prefixdpo.tools.bench.workloads import Workload
-from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup, step_ideals
+from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup, step_flop_totals, step_ideals
 from prefixdpo.data.grouping import group_by_prompt
 from prefixdpo.data.tree import tree_line
 
@@ -46,19 +47,6 @@ SPEEDUPS = (
     (TRIE_MODE, "shared-packed", "trie_packed_vs_shared_packed"),
 )
 
-
-
-@dataclass
-class Spread:
-    """Median and range of repeated measurements."""
-
-    median: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> "Spread":
-        return cls(float(statistics.median(values)), float(min(values)), float(max(values)))
 
 
 @dataclass
@@ -99,6 +87,7 @@ class ProfileResult:
     paper: dict | None = None
     notes: list[str] = field(default_factory=list)
     ideals: dict[str, float] = field(default_factory=dict)  # `flops.step_ideals`: per_record, grouped, trie
+    roofline: Roofline | None = None  # each mode's useful FLOP/s over this device's matmul rate (`roofline`)
 
     @property
     def achieved_over_ideal(self) -> float:
@@ -167,14 +156,26 @@ def _layout_batches(workload: Workload, modes, *, pack_length: int | None, pad_t
     return batches, collate_s
 
 
+@dataclass
+class _Timings:
+    """What `_time_steps` measured: seconds per counted pass [repeats] and peak memory bytes of each mode, how peak
+    memory was measured, and the roofline probe's matmul rate after each counted pass (empty without a probe)."""
+
+    seconds: dict[str, list[float]]
+    peak: dict[str, int]
+    memory_method: str
+    matmul_gflops: list[float]
+
+
 def _time_steps(batches: dict[str, list], stepper: DPOStep, device: torch.device, *, repeats: int, warmup: int,
-                progress, clock: Callable[[], float]) -> tuple[dict[str, list[float]], dict[str, int], str]:
-    """Seconds per counted pass [repeats] and peak memory bytes of each mode, the modes interleaved step by step
-    (module docstring), and how peak memory was measured."""
+                progress, clock: Callable[[], float], probe: RooflineProbe | None = None) -> _Timings:
+    """Every mode's steps, the modes interleaved step by step (module docstring); with `probe`, its matmul after
+    every counted pass."""
     modes = list(batches)
     groups = len(batches[modes[0]])
     seconds = {m: [0.0] * repeats for m in modes}
     peak = {m: 0 for m in modes}
+    rates: list[float] = []
     meter = PeakMemory(device)
     for r in range(warmup + repeats):
         for g in range(groups):
@@ -190,7 +191,9 @@ def _time_steps(batches: dict[str, list], stepper: DPOStep, device: torch.device
                     peak[mode] = max(peak[mode], meter.peak_bytes)
                 if progress is not None:
                     progress.update(1)
-    return seconds, peak, meter.method
+        if probe is not None and r >= warmup:
+            rates.append(probe.rate(device, clock))
+    return _Timings(seconds, peak, meter.method, rates)
 
 
 def _mode_result(mode: str, batches: list, seconds: list[float], peak_bytes: int, pairs: int,
@@ -238,6 +241,7 @@ def run_workload(
     trie: bool = False,
     line_multiple: int = 128,
     clock: Callable[[], float] = time.perf_counter,
+    roofline: RooflineProbe | None = None,
 ) -> ProfileResult:
     """Benchmark `modes` on `workload` with `stepper` (see the module docstring for the protocol).
 
@@ -246,6 +250,7 @@ def run_workload(
                    multiple of `line_multiple`.
     trie: the stepper's backend follows tree lines, so the trie mode may run (`workload_modes`).
     clock: what a step's seconds are read from (`bench.clock`: wall or this process's CPU time).
+    roofline: measure each mode's useful FLOP/s against this device's matmul rate (`bench.roofline`); None: not.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -257,8 +262,9 @@ def run_workload(
     pack_length = None if line_per_step else common_pack_length(examples, grouped=grouped)
     batches, collate_s = _layout_batches(workload, modes, pack_length=pack_length, pad_token_id=pad_token_id,
                                          bucketed=dev.type == "cuda", line_multiple=line_multiple, device=dev)
-    seconds, peak, memory_method = _time_steps(batches, stepper, dev, repeats=repeats, warmup=warmup,
-                                               progress=progress, clock=clock)
+    timings = _time_steps(batches, stepper, dev, repeats=repeats, warmup=warmup, progress=progress, clock=clock,
+                          probe=roofline)
+    seconds = timings.seconds
     speedups = {
         key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
         for fast, base, key in SPEEDUPS
@@ -277,8 +283,11 @@ def run_workload(
             "standard": shape.flop_fractions(examples, shared=False),
             "shared": shape.flop_fractions(examples, shared=True),
         },
-        modes={m: _mode_result(m, batches[m], seconds[m], peak[m], workload.num_pairs, collate_s[m]) for m in modes},
+        modes={m: _mode_result(m, batches[m], seconds[m], timings.peak[m], workload.num_pairs, collate_s[m])
+               for m in modes},
         speedups=speedups,
         paper=_paper_numbers(workload),
-        notes=list(workload.notes) + [f"peak memory: {memory_method}"],
+        notes=list(workload.notes) + [f"peak memory: {timings.memory_method}"],
+        roofline=None if roofline is None else Roofline.of(
+            roofline, dev, timings.matmul_gflops, seconds, step_flop_totals(shape, steps, roofline.keep)),
     )
