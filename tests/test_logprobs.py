@@ -180,3 +180,22 @@ def test_the_linear_head_holds_no_more_than_a_chunk_of_logits():
         with LargestTensor() as mode:
             token_logps(fused, hidden, targets, chunk_size=chunk).sum().backward()
         assert mode.largest <= chunk * V
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logsumexp_in_place_is_torchs_logsumexp_to_the_bit(dtype):
+    """The linear head's forward takes each row's logsumexp in the logits' own storage: the same operations as
+    torch.logsumexp, so the same bits, on rows of ordinary logits, large ones, and rows holding -inf, +inf, NaN
+    or only -inf; vocabulary widths that are and are not a multiple of the vector width."""
+    from prefixdpo.core.logprobs import logsumexp_in_place
+
+    g = torch.Generator().manual_seed(3)
+    for rows, vocab in ((7, 49152), (33, 1000), (5, 3)):
+        logits = torch.randn(rows, vocab, generator=g, dtype=dtype) * 30
+        logits[0] += 1e4
+        logits[1, ::2] = float("-inf")
+        logits[2, 1] = float("inf")
+        logits[3] = float("-inf")
+        logits[4, 0] = float("nan")
+        expected = torch.logsumexp(logits, dim=-1)
+        torch.testing.assert_close(logsumexp_in_place(logits.clone()), expected, rtol=0, atol=0, equal_nan=True)

@@ -213,6 +213,12 @@ def _mode_result(mode: str, batches: list, seconds: list[float], peak_bytes: int
     )
 
 
+def _speedups(seconds: dict[str, list[float]]) -> dict[str, Spread]:
+    """Each of SPEEDUPS' ratios whose two modes ran, pass by pass (base seconds over fast seconds)."""
+    return {key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
+            for fast, base, key in SPEEDUPS if fast in seconds and base in seconds}
+
+
 def _paper_numbers(workload: Workload) -> dict | None:
     """The paper's throughputs and speedups for the workload's profile (None: the paper has no such profile)."""
     if workload.profile is None or workload.profile.name not in PAPER:
@@ -265,11 +271,6 @@ def run_workload(
     timings = _time_steps(batches, stepper, dev, repeats=repeats, warmup=warmup, progress=progress, clock=clock,
                           probe=roofline)
     seconds = timings.seconds
-    speedups = {
-        key: Spread.of([b / a for a, b in zip(seconds[fast], seconds[base])])
-        for fast, base, key in SPEEDUPS
-        if fast in seconds and base in seconds
-    }
     return ProfileResult(
         name=workload.name,
         examples=len(examples),
@@ -285,7 +286,7 @@ def run_workload(
         },
         modes={m: _mode_result(m, batches[m], seconds[m], timings.peak[m], workload.num_pairs, collate_s[m])
                for m in modes},
-        speedups=speedups,
+        speedups=_speedups(seconds),
         paper=_paper_numbers(workload),
         notes=list(workload.notes) + [f"peak memory: {timings.memory_method}"],
         roofline=None if roofline is None else Roofline.of(
