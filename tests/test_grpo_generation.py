@@ -146,6 +146,129 @@ def test_sliding_window_model_within_its_window_float64():
     assert torch.equal(cold.sequences, shared.sequences) and torch.equal(rng_cold, rng_shared)
 
 
+# ---- decoding over prompts cached once (core.attention.shared_prompt) -------------------------------------------
+
+
+def prepared(model):
+    """The model on prefixdpo's attention, as a GRPO/RLOO policy is: decoding then reads each prompt once."""
+    from prefixdpo.core.model_checks import prepare_model
+
+    prepare_model(model, "sdpa")
+    return model
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch):
+    """How many attention calls the shared-prompt layer merged, and how many ran over gathered whole rows."""
+    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
+
+    from prefixdpo.grpo import generation
+
+    monkeypatch.setattr(generation, "MIN_SHARED_PROMPT_BYTES", 0)  # these tiny prompts' copies are below the size
+    calls = {"merged": 0, "whole": 0}
+    attend, whole = SharedPromptLayer.attend, SharedPromptLayer.whole_rows
+
+    def counting_attend(self, *args):
+        out = attend(self, *args)
+        calls["merged"] += out is not None
+        return out
+
+    def counting_whole(self, *args):
+        calls["whole"] += 1
+        return whole(self, *args)
+
+    monkeypatch.setattr(SharedPromptLayer, "attend", counting_attend)
+    monkeypatch.setattr(SharedPromptLayer, "whole_rows", counting_whole)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoding_over_prompts_held_once_samples_as_trl_float64(arch, cascade_calls):
+    """Every decode step of every layer merges the prompt part (one matmul per prompt over its 3 rows) with the rows'
+    own part; a one-token prompt's cached part is all padding (its prompt part attends to nothing). Qwen2: GQA."""
+    model = prepared(tiny_causal_lm(arch).double())
+    ids, mask = prompt_batch(lengths=(9, 1, 6), copies=3)
+    cold, shared, (rng_cold, rng_shared), _ = both_ways(model, ids, mask, sampling_config())
+    assert torch.equal(cold.sequences, shared.sequences) and torch.equal(rng_cold, rng_shared)
+    diff, scale = max_logit_difference(cold, shared)
+    assert diff <= 8 * EPS32 * scale, (diff, scale)
+    layers = model.config.num_hidden_layers
+    assert cascade_calls == {"merged": layers * len(cold.logits), "whole": 0}
+
+
+def test_decoding_over_prompts_held_once_greedy_float32(cascade_calls):
+    model = prepared(tiny_causal_lm())
+    ids, mask = prompt_batch(lengths=(11, 3, 7, 7), copies=2, seed=3)
+    config = sampling_config(do_sample=False, temperature=None, top_k=None, top_p=None,
+                             eos_token_id=tokenizer().eos_token_id)
+    cold, shared, _, _ = both_ways(model, ids, mask, config)
+    diff, scale = max_logit_difference(cold, shared)
+    tolerance = 1e-5 * scale
+    assert diff <= tolerance, (diff, scale)
+    margins = [(lambda top: (top.values[:, 0] - top.values[:, 1]).min().item())(step.topk(2, dim=-1))
+               for step in cold.logits]
+    assert min(margins) > 2 * tolerance, min(margins)
+    assert torch.equal(cold.sequences, shared.sequences)
+    assert cascade_calls["merged"] > 0 and cascade_calls["whole"] == 0
+
+
+def test_prompts_of_unequal_row_counts_attend_over_gathered_rows_float64(cascade_calls):
+    """A prompt with 3 rows beside one with 2: the merge needs equal groups, so each layer gathers the prompts'
+    keys per row in front of the own ones and runs the ordinary attention (same numbers, no saving)."""
+    model = prepared(tiny_causal_lm().double())
+    ids, mask = prompt_batch(lengths=(5, 8), copies=2, seed=7)
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])
+    cold, shared, (rng_cold, rng_shared), _ = both_ways(model, ids, mask, sampling_config())
+    assert torch.equal(cold.sequences, shared.sequences) and torch.equal(rng_cold, rng_shared)
+    assert cascade_calls["merged"] == 0 and cascade_calls["whole"] == model.config.num_hidden_layers * len(cold.logits)
+
+
+def test_prompts_held_once_only_where_their_copies_are_large_enough():
+    """Copies under MIN_SHARED_PROMPT_BYTES per layer decode faster than the merge's extra operations (measured):
+    kept; models off prefixdpo's attention keep them too."""
+    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
+    from prefixdpo.grpo import generation
+
+    model = prepared(tiny_causal_lm())
+    ids, mask = prompt_batch(lengths=(9, 4, 6), copies=3)
+    groups = group_prompt_rows(ids, mask)
+    cache = generation.prefill_shared_prompts(model, groups)
+    assert not any(isinstance(layer, SharedPromptLayer) for layer in cache.layers)
+    assert cache.layers[0].keys.shape[0] == ids.shape[0]  # a copy per row
+    assert "bytes per layer" in generation.why_not_shared_cache(model, cache, groups)
+    generation.MIN_SHARED_PROMPT_BYTES, before = 0, generation.MIN_SHARED_PROMPT_BYTES
+    try:
+        held = generation.prefill_shared_prompts(model, groups)
+        assert all(isinstance(layer, SharedPromptLayer) and layer.prompt_keys.shape[0] == 3 for layer in held.layers)
+        stock = generation.prefill_shared_prompts(tiny_causal_lm(), groups)
+        assert not any(isinstance(layer, SharedPromptLayer) for layer in stock.layers)
+    finally:
+        generation.MIN_SHARED_PROMPT_BYTES = before
+
+
+def test_a_model_whose_attention_drops_the_shared_prompt_stops(monkeypatch):
+    """The carrier lost between the cache update and prefixdpo's attention would attend to the rows' own columns
+    only: the layer notices at the next step (or after generate) and stops in one line. Prompts without padding:
+    transformers then passes no mask, which with padding would not match the keys' length and fail at once."""
+    from prefixdpo.core.attention import backends
+
+    from prefixdpo.grpo import generation
+
+    monkeypatch.setattr(generation, "MIN_SHARED_PROMPT_BYTES", 0)
+    model = prepared(tiny_causal_lm())
+    ids, mask = prompt_batch(lengths=(6, 6))
+    original = backends._line_attention
+
+    def losing(module, query, key, value, attention_mask, **kwargs):
+        return original(module, query, key.clone(), value, attention_mask, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backends, "_line_attention", losing)
+        with pytest.raises(RuntimeError, match="did not read the shared prompt"), \
+                generate_routed(model, SharedPromptRoute(lambda note: None)):
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=sampling_config())
+
+
 # ---- through the trainers, against TRL's own -------------------------------------------------------------------
 
 
@@ -180,7 +303,8 @@ def _ended_early(rollouts) -> bool:
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
-def test_trainer_completions_equal_trl_float64(method, model_dir, tmp_path, caplog):
+def test_trainer_completions_equal_trl_float64(method, model_dir, tmp_path, caplog, cascade_calls):
+    """The policy on prefixdpo's attention decodes over prompts held once (every step merged, the size rule off)."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer, PrefixRLOOConfig, PrefixRLOOTrainer
@@ -192,6 +316,7 @@ def test_trainer_completions_equal_trl_float64(method, model_dir, tmp_path, capl
         ours, logs = run_trainer(*ours_cls, model_dir, tmp_path / "ours", beta=0.0)
     assert not [r for r in caplog.records if "shared-prompt generation" in r.getMessage()]
     assert len(theirs) == 3 and theirs == ours
+    assert cascade_calls["merged"] > 0 and cascade_calls["whole"] == 0
     assert _ended_early(theirs)  # EOS (or another ending id) within the budget in some rows
     # two prompts of different lengths per batch (left padding), each prefilled once instead of 4 times
     assert all(step["prefix_sharing/prefill_tokens_saved"] > 0.5 for step in logs)

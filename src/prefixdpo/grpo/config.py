@@ -52,10 +52,10 @@ class GroupLayoutOptions:
     )
     shared_prompt_generation: bool = field(
         default=True,
-        metadata={"help": "transformers generate (use_vllm false): prefill each unique prompt once and copy its KV "
-                          "cache to its num_generations rows, then decode with transformers' generate and TRL's "
-                          "generation config (same seed, same completions as TRL's; the cache still holds a copy per "
-                          "row). Falls back to TRL's call, said once, for beam search, static/quantized caches, "
+        metadata={"help": "transformers generate (use_vllm false): prefill each unique prompt once, then decode with "
+                          "transformers' generate and TRL's generation config over a cache holding each prompt's keys "
+                          "and values once, read by its num_generations rows (cascade attention; same seed, same "
+                          "completions as TRL's). Falls back to TRL's call, said once, for beam search, static/quantized caches, "
                           "images, active dropout. With use_vllm it does nothing: TRL's server mode already sends "
                           "each prompt once with n=num_generations, and colocate mode sends the copies to vLLM, "
                           "whose automatic prefix caching (on by default in its V1 engine) computes a prompt's full "

@@ -20,6 +20,7 @@ from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.reuse_plan import plan_reuse
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
+from prefixdpo.core.attention.shared_prompt import shared_prompt_attention
 from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
@@ -60,6 +61,10 @@ def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs
 
 def _line_attention(module, query, key, value, attention_mask, **kwargs):
     """`prefix_attention_forward` over whole lines: query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None)."""
+    if getattr(key, "shared_prompt", None) is not None:  # decoding over prompts cached once (`shared_prompt`)
+        out, key, value = shared_prompt_attention(key, value, query, attention_mask, kwargs)
+        if out is not None:
+            return out, None
     store = getattr(attention_mask, "prefix_kv", None)
     if store is not None:
         key, value = store.keys_values(module, key, value)

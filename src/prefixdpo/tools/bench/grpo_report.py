@@ -248,8 +248,8 @@ def whole_step_lines(steps: list[WholeStep]) -> list[str]:
                      + f" | {w.seconds('trl'):.3f} -> {w.seconds('ours'):.3f} | **{w.speedup:.2f}x** | "
                      f"{w.ideals['whole_step']:.2f} | {w.achieved_over_ideal:.2f} |")
     lines += ["", "| profile | TRL: generation / scoring / training share | prefixdpo: shares | prefill alone "
-              "(ideal) | generation peak MB | same tokens as TRL (same seed) | decode ideal with shared-prefix KV "
-              "reads (cascade, not built) |", "|---|---|---|---|---|---|---|"]
+              "(ideal) | generation peak MB | same tokens as TRL (same seed) | decode ideal by bytes read (each "
+              "prompt's keys and values once per group) |", "|---|---|---|---|---|---|---|"]
     for w in steps:
         shares = {side: " / ".join(f"{w.share(p, side):.0%}" for p in PHASES) for side in ("trl", "ours")}
         lines.append(f"| {w.profile} | {shares['trl']} | {shares['ours']} | {w.prefill.trl:.3f} -> "
@@ -258,7 +258,8 @@ def whole_step_lines(steps: list[WholeStep]) -> list[str]:
                      f"{w.ideals['decode_cascade']:.2f} |")
     lines += ["", "Ideals (`bench.grpo_step`): prefill = its FLOPs as run (TRL: N x P slots, P x P pairs per row; "
               "prefixdpo: U x (P - 1) then each row's last column); generation = TRL's measured prefill at that "
-              "ratio, its decode at 1.00 (the same steps, FLOPs and bytes: the expanded cache is a copy per row); "
+              "ratio, its decode at 1.00 (the same steps and FLOPs; what reading each prompt's cache once per group saves in "
+              "bytes is the last column above); "
               "scoring = TRL's padded rows as run over the tries' useful FLOPs; training = the table above's ideal; "
               "whole step = TRL's phase times each at its phase's ideal. Same tokens: the first pass's sampled "
               "completions, TRL's and prefixdpo's, same seed (fp32: a token can differ only at a near-tie). The last "

@@ -4,10 +4,11 @@ way and prefixdpo's, on the same rollouts, interleaved.
 The phases, each as the trainers run it:
 
     generation  TRL: transformers `generate` on the N left-padded prompt rows with TRL's GenerationConfig (sampling,
-                KV cache), every prompt prefilled G times. prefixdpo: the same call routed as `PrefixGRPOTrainer`
-                routes it (`grpo.generation`): each unique prompt prefilled once, its cache expanded to its rows.
-                Both generate exactly K new tokens (min_new_tokens = K: a batch runs to its longest completion, and
-                every rollout has one cut at the limit), both on the model's stock attention.
+                KV cache) on the model's stock attention, every prompt prefilled G times. prefixdpo: the same call
+                routed as `PrefixGRPOTrainer` routes it (`grpo.generation`), on prefixdpo's attention as the policy
+                runs: each unique prompt prefilled once, its keys and values held once and read by its rows'
+                decode steps (`core.attention.shared_prompt`). Both generate exactly K new tokens (min_new_tokens =
+                K: a batch runs to its longest completion, and every rollout has one cut at the limit).
     scoring     a reward model of the policy's shape (random Llama-shaped sequence classifier) scoring the N rows
                 `prompt + completion`: TRL's call on right-padded rows (stock SDPA), prefixdpo's on shared token
                 tries (`grpo.reward_models`, the bench's attention backend).
@@ -15,14 +16,13 @@ The phases, each as the trainers run it:
 
 Ideals, per phase, of what sharing can save: the prefill's FLOPs (TRL: N x P slots through the body, N x P x P
 query-key pairs; prefixdpo: U x (P - 1) slots and (P - 1)^2 pairs per unique prompt, then the last prompt column of
-every row inside `generate`); the decode steps are the same computation on both sides (same FLOPs, and the same
-bytes read: the weights once per step, N rows' keys and values; the expanded cache is a copy per row), so the
-generation ideal weighs TRL's measured prefill time at the prefill's FLOP ratio and the rest at 1.00. Scoring: TRL's
+every row inside `generate`); the decode steps compute the same FLOPs on both sides, so the generation ideal weighs
+TRL's measured prefill time at the prefill's FLOP ratio and the rest at 1.00. Scoring: TRL's
 rows as run (every padded slot, all L x L pairs) over the tries' useful FLOPs (each shared token once, each token
 attending its own sequence). Training: `bench.grpo`'s ideal. Whole step: TRL's measured phase times each divided by
 its phase's ideal (what the step would take if every phase reached its ideal). `decode_cascade` is what decoding
-would reach if each prompt's keys and values were read once per group per step (cascade / Hydragen attention over a
-shared prefix; not built): weights + U x P + N x t cached tokens read instead of weights + N x (P + t).
+reaches by bytes read where each prompt's keys and values are read once per group per step (prefixdpo's decoding
+over prompts held once): weights + U x P + N x t cached tokens read instead of weights + N x (P + t).
 """
 
 from __future__ import annotations
@@ -159,10 +159,13 @@ class WholeStep:
 
 
 def _generate(model, rollout: Rollout, config, *, shared: bool, seed: int):
+    """TRL's generate call on the model's stock attention, or the trainer's: routed, on prefixdpo's attention (the
+    policy's), which decodes over prompts held once (`core.attention.shared_prompt`)."""
     torch.manual_seed(seed)
     kwargs = dict(input_ids=rollout.prompt_ids, attention_mask=rollout.prompt_mask, generation_config=config)
     if not shared:
-        return model.generate(**kwargs)
+        with stock_attention(model):
+            return model.generate(**kwargs)
     notes: list[str] = []
     with generate_routed(model, SharedPromptRoute(notes.append)):
         out = model.generate(**kwargs)
@@ -238,7 +241,7 @@ def time_whole_step(trainer, reward_model, result: GroupProfileResult, rollouts:
     model.eval()  # no dropout: the bench's Llama has none, and generation must not draw for it
     reward_model.eval()
     try:
-        with stock_attention(model), torch.inference_mode():
+        with torch.inference_mode():
             for r in range(warmup + repeats):
                 for i, rollout in enumerate(batches):
                     calls = {}
