@@ -66,3 +66,42 @@ def test_internal_error_prints_traceback_and_exits_1():
 
 def test_config_error_is_a_user_error_and_a_value_error():
     assert issubclass(ConfigError, UserError) and issubclass(UserError, ValueError)
+
+
+def test_a_finished_command_ends_its_process_group(monkeypatch, tmp_path):
+    """Under torchrun a command that finished ends its process group itself (gloo's threads stopped before the
+    interpreter finalises); a command that failed leaves it (its peers are told by its exit)."""
+    import torch.distributed as dist
+
+    from prefixdpo import cli
+
+    def finished(args):
+        assert dist.is_initialized()
+        return 0
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(cli, "build_parser", lambda: _parser_running(finished))
+        assert cli.main(["job"]) == 0
+        assert not dist.is_initialized()
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store2"), 1), rank=0, world_size=1)
+
+        def failed(args):
+            raise ConfigError("a bad option")
+
+        monkeypatch.setattr(cli, "build_parser", lambda: _parser_running(failed))
+        assert cli.main(["job"]) == 2
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _parser_running(func):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="prefixdpo")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("job").set_defaults(func=func)
+    return parser

@@ -60,6 +60,38 @@ def both_ways(model, ids, mask, config, seed=1):
     return cold, shared, (cold_rng, torch.get_rng_state()), route
 
 
+def prepared(model):
+    """The model on prefixdpo's attention, as a GRPO/RLOO policy is: decoding then reads each prompt once."""
+    from prefixdpo.core.model_checks import prepare_model
+
+    prepare_model(model, "sdpa")
+    return model
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch):
+    """How many attention calls the shared-prompt layer merged, and how many ran over gathered whole rows."""
+    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
+    from prefixdpo.grpo import generation
+
+    monkeypatch.setattr(generation, "MIN_SHARED_PROMPT_BYTES", 0)  # these tiny prompts' copies are below the size
+    calls = {"merged": 0, "whole": 0}
+    attend, whole = SharedPromptLayer.attend, SharedPromptLayer.whole_rows
+
+    def counting_attend(self, *args):
+        out = attend(self, *args)
+        calls["merged"] += out is not None
+        return out
+
+    def counting_whole(self, *args):
+        calls["whole"] += 1
+        return whole(self, *args)
+
+    monkeypatch.setattr(SharedPromptLayer, "attend", counting_attend)
+    monkeypatch.setattr(SharedPromptLayer, "whole_rows", counting_whole)
+    return calls
+
+
 def max_logit_difference(a, b) -> tuple[float, float]:
     """(largest |difference| of per-step logits, largest |logit|)."""
     diff = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
@@ -82,8 +114,10 @@ def test_sampled_completions_equal_trl_generate_float64():
     assert route.count.ran_tokens == int(mask[:3, :-1].sum()) + ids.shape[0] < route.count.trl_tokens
 
 
-def test_greedy_completions_and_logits_equal_trl_generate_float32():
-    model = tiny_causal_lm()
+@pytest.mark.parametrize("held_once", [False, True], ids=["stock-attention", "prompts-held-once"])
+def test_greedy_completions_and_logits_equal_trl_generate_float32(held_once, cascade_calls):
+    """On the model's stock attention (the cache a copy per row) and on prefixdpo's (prompts held once)."""
+    model = prepared(tiny_causal_lm()) if held_once else tiny_causal_lm()
     ids, mask = prompt_batch(lengths=(11, 3, 7, 7), copies=2, seed=3)
     config = sampling_config(do_sample=False, temperature=None, top_k=None, top_p=None,
                              eos_token_id=tokenizer().eos_token_id)
@@ -96,6 +130,7 @@ def test_greedy_completions_and_logits_equal_trl_generate_float32():
                for step in cold.logits]
     assert min(margins) > 2 * tolerance, min(margins)
     assert torch.equal(cold.sequences, shared.sequences)
+    assert (cascade_calls["merged"] > 0) == held_once and cascade_calls["whole"] == 0
 
 
 def test_repetition_penalty_and_min_p_apply_unchanged_float64():
@@ -146,40 +181,7 @@ def test_sliding_window_model_within_its_window_float64():
     assert torch.equal(cold.sequences, shared.sequences) and torch.equal(rng_cold, rng_shared)
 
 
-# ---- decoding over prompts cached once (core.attention.shared_prompt) -------------------------------------------
-
-
-def prepared(model):
-    """The model on prefixdpo's attention, as a GRPO/RLOO policy is: decoding then reads each prompt once."""
-    from prefixdpo.core.model_checks import prepare_model
-
-    prepare_model(model, "sdpa")
-    return model
-
-
-@pytest.fixture
-def cascade_calls(monkeypatch):
-    """How many attention calls the shared-prompt layer merged, and how many ran over gathered whole rows."""
-    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
-
-    from prefixdpo.grpo import generation
-
-    monkeypatch.setattr(generation, "MIN_SHARED_PROMPT_BYTES", 0)  # these tiny prompts' copies are below the size
-    calls = {"merged": 0, "whole": 0}
-    attend, whole = SharedPromptLayer.attend, SharedPromptLayer.whole_rows
-
-    def counting_attend(self, *args):
-        out = attend(self, *args)
-        calls["merged"] += out is not None
-        return out
-
-    def counting_whole(self, *args):
-        calls["whole"] += 1
-        return whole(self, *args)
-
-    monkeypatch.setattr(SharedPromptLayer, "attend", counting_attend)
-    monkeypatch.setattr(SharedPromptLayer, "whole_rows", counting_whole)
-    return calls
+# ---- decoding over prompts held once (core.attention.shared_prompt) --------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -194,22 +196,6 @@ def test_decoding_over_prompts_held_once_samples_as_trl_float64(arch, cascade_ca
     assert diff <= 8 * EPS32 * scale, (diff, scale)
     layers = model.config.num_hidden_layers
     assert cascade_calls == {"merged": layers * len(cold.logits), "whole": 0}
-
-
-def test_decoding_over_prompts_held_once_greedy_float32(cascade_calls):
-    model = prepared(tiny_causal_lm())
-    ids, mask = prompt_batch(lengths=(11, 3, 7, 7), copies=2, seed=3)
-    config = sampling_config(do_sample=False, temperature=None, top_k=None, top_p=None,
-                             eos_token_id=tokenizer().eos_token_id)
-    cold, shared, _, _ = both_ways(model, ids, mask, config)
-    diff, scale = max_logit_difference(cold, shared)
-    tolerance = 1e-5 * scale
-    assert diff <= tolerance, (diff, scale)
-    margins = [(lambda top: (top.values[:, 0] - top.values[:, 1]).min().item())(step.topk(2, dim=-1))
-               for step in cold.logits]
-    assert min(margins) > 2 * tolerance, min(margins)
-    assert torch.equal(cold.sequences, shared.sequences)
-    assert cascade_calls["merged"] > 0 and cascade_calls["whole"] == 0
 
 
 def test_prompts_of_unequal_row_counts_attend_over_gathered_rows_float64(cascade_calls):

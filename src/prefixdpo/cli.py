@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        leave_process_group()
+        return code
     except TrainingPreempted as err:
         # not finished: a non-zero code a scheduler reads as "run again"; said once, by the first process
         if os.environ.get("RANK", "0") == "0":
@@ -63,6 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         # know) is reported as one line naming the problem. Anything else is a bug: its traceback propagates.
         print(f"prefixdpo {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
+
+
+def leave_process_group() -> None:
+    """After a command that finished: every rank waits for the others, then ends its process group, as PyTorch asks
+    of a distributed program. Left to the interpreter's exit, gloo's worker threads may still run while it
+    finalises, and a rank whose work is done can abort ("terminate called without an active exception"). A rank
+    whose peer already stopped (it failed, and said so) has no group left to end: nothing more to do here."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError):  # a peer's connection closed: its own exit code tells what went wrong
+        pass
 
 
 if __name__ == "__main__":
