@@ -103,6 +103,40 @@ def run_fault_trials(driver: str, workdir, trials: list[dict], env: dict, *drive
     return outcome, proc.stderr
 
 
+# The engines of the distributed test scripts (`run_processes`), as TrainingArguments keywords / a DeepSpeed config.
+FSDP2 = dict(fsdp="full_shard auto_wrap",
+             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+         # every parameter partitioned (the default keeps parameters under 1e5 elements whole)
+         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                               "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}
+
+
+def rank_script_start(argv: list[str]) -> tuple[str, str, int, int, str]:
+    """(out_dir, engine, world, rank, init) of a script run as `script OUT ENGINE` by `run_processes`: the
+    one-process run (engine "none") writes the tiny Llama's starting weights to OUT/../init, which every run loads."""
+    out_dir, engine = argv[1], argv[2]
+    init = os.path.join(out_dir, "..", "init")
+    if engine == "none":
+        tiny_model("llama").save_pretrained(init)
+    return out_dir, engine, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), init
+
+
+def run_rank_script(tmp_path, script: str, engine: str, timeout: int = 900) -> dict:
+    """What a rank script (`script OUT ENGINE`, `rank_script_start`) wrote to result.json, run as one process
+    (engine "none") or as 2 gloo ranks, DeepSpeed on its CPU accelerator; `script` is formatted with `tests`."""
+    import json
+
+    path = tmp_path / f"{engine}_script.py"
+    path.write_text(script.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / engine
+    out.mkdir()
+    run_processes(1 if engine == "none" else 2, str(path), str(out), engine, timeout=timeout,
+                  env={"DS_ACCELERATOR": "cpu"})
+    return json.loads((out / "result.json").read_text())
+
+
 def finish_ranks(rank: int, out_dir: str, results) -> None:
     """The end of a script run by `run_processes`: rank 0 writes `results` to out_dir/result.json, then every rank
     leaves (`leave_ranks`)."""
@@ -205,14 +239,15 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900):
+def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900, env: dict | None = None):
     """Run `python *args` as one process, or under `torchrun --standalone` as `nproc` gloo processes (CPU, one
-    thread each). Asserts it succeeded, showing the ranks' own tracebacks; returns the CompletedProcess."""
+    thread each; `env` added to the environment). Asserts it succeeded, showing the ranks' own tracebacks; returns
+    the CompletedProcess."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)

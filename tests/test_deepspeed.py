@@ -17,18 +17,13 @@ The first DeepSpeed run on a machine JIT-builds DeepSpeed's shared-memory comm o
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import run_rank_script, tiny_model
 
-from conftest import free_port
 from prefixdpo.core.engines_deepspeed import reference_deepspeed_config
 from tolerances import assert_same_dpo_log, assert_within, weights_scale
 
@@ -40,17 +35,12 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import make_examples, tiny_model, finish_ranks
+    from conftest import make_examples, finish_ranks, rank_script_start
 
-    out_dir, engine = sys.argv[1], sys.argv[2]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    init = os.path.join(out_dir, "..", "init")
-    if engine == "none":  # the one-process run writes the starting weights every run loads
-        tiny_model("llama").save_pretrained(init)
+    out_dir, engine, world, rank, init = rank_script_start(sys.argv)
 
     import gc
     from transformers import AutoModelForCausalLM
@@ -106,19 +96,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, engine: str) -> dict:
-    script = tmp_path / "ds_script.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / engine
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-    if engine == "none":
-        cmd = [sys.executable, str(script), str(out), engine]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-               str(script), str(out), engine]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return run_rank_script(tmp_path, SCRIPT, engine)
 
 
 @needs_deepspeed

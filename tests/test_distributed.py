@@ -25,7 +25,7 @@ from tolerances import K_FORWARD, assert_within, dpo_loss_scale, sgd_grad_scale,
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks, make_examples, tiny_model

@@ -29,7 +29,7 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "log
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks, make_examples, tiny_model

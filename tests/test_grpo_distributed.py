@@ -25,11 +25,11 @@ from tolerances import assert_within, weights_scale
 
 SCRIPT = textwrap.dedent(
     """
-    import hashlib, json, os, random, sys
+    import hashlib, os, random, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks
-    from grpo_common import INSTRUCTION, prompt_dataset, reward_vowels, tokenizer
+    from grpo_common import INSTRUCTION, reward_vowels, tokenizer
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from prefixdpo.core.engines import local_numel, sharded_parameter_count

@@ -33,11 +33,11 @@ BETA = 0.5
 
 SCRIPT = textwrap.dedent(
     """
-    import contextlib, json, os, sys
+    import contextlib, os, sys
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import tiny_model, finish_ranks
+    from conftest import FSDP2 as FSDP, ZERO3, finish_ranks
     from test_prefix_tree_training import k_response_records
     from test_tree import dialogue
     import random
@@ -50,13 +50,6 @@ SCRIPT = textwrap.dedent(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     examples = k_response_records(prompts=3) + dialogue(random.Random(1), 3) + dialogue(random.Random(2), 3)
-    FSDP = dict(fsdp="full_shard auto_wrap",
-                fsdp_config={{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})
-    ZERO3 = {{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-              # every parameter partitioned (the default keeps parameters under 1e5 elements whole)
-              "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}}}
 
     def lora():
         from peft import LoraConfig

@@ -24,30 +24,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import run_rank_script
 from tolerances import assert_same_dpo_log, assert_within, max_diff, weights_scale
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
-    from conftest import finish_ranks, tiny_model
+    from conftest import FSDP2 as FSDP, ZERO3, finish_ranks, rank_script_start
 
-    out_dir, engine = sys.argv[1], sys.argv[2]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    init = os.path.join(out_dir, "..", "init")
-    if engine == "none":  # the one-process run writes the starting weights every run loads
-        tiny_model("llama").save_pretrained(init)
+    out_dir, engine, world, rank, init = rank_script_start(sys.argv)
 
     import gc
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -82,12 +75,6 @@ SCRIPT = textwrap.dedent(
                 example(2, 3, (2, 2)),  # 7 tokens: fits whole
                 example(3, 4, (6, 5)),  # 2 chunks
                 example(4, 7, (4, 5))]  # 2 chunks, alone in the last step
-    FSDP = dict(fsdp="full_shard auto_wrap",
-                fsdp_config={{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}})
-    ZERO3 = {{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-              "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}}}
 
     def full_params(model):
         params = list(model.parameters())
@@ -163,24 +150,12 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, engine: str) -> dict:
-    script = tmp_path / "reuse_sharded_script.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / engine
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-    launcher = [] if engine == "none" else ["-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                            "--master_port", free_port()]
-    proc = subprocess.run([sys.executable, *launcher, str(script), str(out), engine], env=env, capture_output=True,
-                          text=True, timeout=600)
-    ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
-    assert proc.returncode == 0, (ranks or proc.stdout + proc.stderr)[-6000:]
-    return json.loads((out / "result.json").read_text())
+    return run_rank_script(tmp_path, SCRIPT, engine, timeout=600)
 
 
 GATHER_SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
-    import torch
+    import sys
     import torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks, tiny_model

@@ -175,7 +175,7 @@ def test_pad_and_eos_tokens_follow_trl_and_bad_models_are_refused(tmp_path):
 
 DDP_SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks, make_examples

@@ -16,7 +16,7 @@ from tolerances import K_FORWARD, assert_within
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     sys.path.insert(0, {tests!r})

@@ -36,7 +36,7 @@ from tolerances import assert_same_dpo_log, assert_within, weights_scale
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_examples, finish_ranks

@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def leave_process_group() -> None:
     """After a command that finished: every rank waits for the others, then ends its process group, as PyTorch asks
-    of a distributed program. Left to the interpreter's exit, gloo's worker threads may still run while it
-    finalises, and a rank whose work is done can abort ("terminate called without an active exception"). A rank
-    whose peer already stopped (it failed, and said so) has no group left to end: nothing more to do here."""
+    of a distributed program. Left to the interpreter's exit, gloo's worker threads still run while it finalises,
+    and a rank whose work is done can abort ("terminate called without an active exception"); ended here, they
+    stop first (what is left of the race is a worker dropping its last tensor reference late, which the test
+    scripts cut off with `os._exit`, too abrupt for a command whose callers' exit handlers must run). A rank whose
+    peer already stopped (it failed, and said so) has no group left to end: nothing more to do here."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
     if dist is None or not dist.is_available() or not dist.is_initialized():
