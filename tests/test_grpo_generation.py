@@ -198,6 +198,35 @@ def test_decoding_over_prompts_held_once_samples_as_trl_float64(arch, cascade_ca
     assert cascade_calls == {"merged": layers * len(cold.logits), "whole": 0}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_attention_equals_attention_over_whole_rows(dtype):
+    """One decode step's merge (3 prompts x 4 rows, GQA 4 query heads per KV head, left-padded prompts, one all
+    padding) against SDPA over each row's [prompt | own] keys: within K_FORWARD eps(dtype) of the values' scale
+    (the output is a convex combination of values). bf16: the cache read in bf16, the softmax in fp32."""
+    from tolerances import K_FORWARD, assert_within
+
+    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
+
+    g = torch.Generator().manual_seed(4)
+    U, G, Hkv, groups, P, s, D = 3, 4, 2, 4, 9, 5, 16
+    N, H = U * G, Hkv * groups
+    valid = torch.ones(U, P, dtype=torch.bool)
+    valid[1, :4], valid[2, :] = False, False  # left padding; the third prompt's cached part is all padding
+    rows = torch.arange(N) % U  # interleaved, as TRL's sampler deals them
+    keys, values = (torch.randn(U, Hkv, P, D, generator=g).to(dtype) for _ in range(2))
+    layer = SharedPromptLayer(keys, values, valid, rows)
+    own_k, own_v = (torch.randn(N, Hkv, s, D, generator=g).to(dtype) for _ in range(2))
+    query = torch.randn(N, H, 1, D, generator=g).to(dtype)
+    mask = torch.cat([valid[rows], torch.ones(N, s, dtype=torch.bool)], dim=1)[:, None, None, :]
+    merged = layer.attend(query, own_k, own_v, mask, {"scaling": D ** -0.5})
+    whole_k, whole_v = layer.whole_rows(own_k, own_v)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), whole_k.float(), whole_v.float(), attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
+    assert merged.dtype == dtype and merged.shape == (N, 1, H, D)
+    assert_within(merged.float(), reference.transpose(1, 2), whole_v.float().abs().max().item(), dtype, k=K_FORWARD,
+                  what="merged vs whole-row attention")
+
+
 def test_prompts_of_unequal_row_counts_attend_over_gathered_rows_float64(cascade_calls):
     """A prompt with 3 rows beside one with 2: the merge needs equal groups, so each layer gathers the prompts'
     keys per row in front of the own ones and runs the ordinary attention (same numbers, no saving)."""

@@ -13,10 +13,11 @@ and the prompt part runs as one matmul per unique prompt with its G rows' querie
 groups, D] against [U, Hkv, P, D]) instead of N matrix-vector products.
 
 The layer hands its rows' own keys to the model's attention carrying itself (`shared_prompt`), so prefixdpo's
-attention function (`backends._line_attention`) finds the prompt part; the mask is transformers' own for the whole
-[prompt | own] length (left padding of the prompt included), split in two. Anything the merge does not cover (more
-than one query column, soft-capping, sinks, a non-bool mask, prompts of unequal row counts) runs the ordinary
-attention over the prompt's keys gathered per row in front of the own ones: the same numbers, without the saving.
+attention function (`backends._line_attention`) finds the prompt part; that part is masked by the prompts' own
+padding (the prefill's mask, fixed for the whole generation), the rows' own part by transformers' mask. Anything
+the merge does not cover (more than one query column, soft-capping, sinks, a non-bool mask, prompts of unequal row
+counts) runs the ordinary attention over the prompt's keys gathered per row in front of the own ones: the same
+numbers, without the saving.
 A layer whose keys reached attention without being read stops the next step: a model that changed its keys after
 the cache update would otherwise attend to its own columns only.
 """
@@ -32,17 +33,22 @@ _UNMERGED_FEATURES = ("softcap", "s_aux", "sinks", "sliding_window")
 class SharedPromptLayer(DynamicLayer):
     """One layer's cache of N decoding rows over U unique prompts.
 
-    prompt_keys / prompt_values: [U, Hkv, P, D] the prompts' columns; row_to_unique: [N] long, each row's prompt;
-    `keys` / `values` (DynamicLayer's): [N, Hkv, s, D] each row's own columns after its prompt."""
+    prompt_keys / prompt_values: [U, Hkv, P, D] the prompts' columns; prompt_valid: [U, P] bool, the prompts' own
+    padding mask (False: left padding); row_to_unique: [N] long, each row's prompt; `keys` / `values`
+    (DynamicLayer's): [N, Hkv, s, D] each row's own columns after its prompt."""
 
-    def __init__(self, prompt_keys: torch.Tensor, prompt_values: torch.Tensor, row_to_unique: torch.Tensor):
+    def __init__(self, prompt_keys: torch.Tensor, prompt_values: torch.Tensor, prompt_valid: torch.Tensor,
+                 row_to_unique: torch.Tensor):
         super().__init__()
         self.prompt_keys, self.prompt_values = prompt_keys, prompt_values
+        # [U, 1, 1, P]: broadcast over heads and each prompt's rows' queries (None: no padding)
+        self.prompt_mask = None if bool(prompt_valid.bool().all()) else prompt_valid.bool()[:, None, None, :]
         self.row_to_unique = row_to_unique
         counts = torch.bincount(row_to_unique, minlength=prompt_keys.shape[0])
-        # rows sorted by prompt ([U x G] when every prompt has G rows) and back
+        # rows sorted by prompt ([U x G] when every prompt has G rows) and back: fixed for the whole generation
         self.group_size = int(counts[0]) if bool((counts == counts[0]).all()) and int(counts[0]) > 0 else None
         self.order = torch.argsort(row_to_unique, stable=True)
+        self.unsorted = torch.argsort(self.order)
         self.unread = False
 
     @property
@@ -52,12 +58,16 @@ class SharedPromptLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.prompt_length + super().get_seq_length()
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Append the new columns [N, Hkv, q, D]; return the rows' own columns, carrying this layer."""
+    def check_read(self) -> None:
+        """Stops if the keys this layer handed out last reached attention without being read with the prompt."""
         if self.unread:
             raise RuntimeError("shared-prompt decoding: the model's attention did not read the shared prompt's keys "
-                               "at the last step (its attention changed the cached keys on the way): set "
-                               "shared_prompt_generation false for this model")
+                               "(its attention changed the cached keys on the way): set shared_prompt_generation "
+                               "false for this model")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Append the new columns [N, Hkv, q, D]; return the rows' own columns, carrying this layer."""
+        self.check_read()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         keys = keys.view(keys.shape)  # a new tensor object: the carrier attribute makes no cycle with the layer
         keys.shared_prompt = self
@@ -71,8 +81,9 @@ class SharedPromptLayer(DynamicLayer):
                 torch.cat([self.prompt_values[self.row_to_unique], value], dim=2))
 
     def attend(self, query, key, value, mask, kwargs) -> torch.Tensor | None:
-        """Cascade attention of query [N, H, 1, D] over the prompt and key/value [N, Hkv, s, D]; mask: bool
-        [N, 1, 1, P + s] (True: attend) or None -> [N, 1, H, D]; None where the merge does not apply."""
+        """Cascade attention of query [N, H, 1, D] over the prompt and key/value [N, Hkv, s, D]; mask: transformers'
+        bool [N, 1, 1, P + s] (True: attend) or None, of which the rows' own columns are read (the prompt's are its
+        padding, `prompt_mask`) -> [N, 1, H, D]; None where the merge does not apply."""
         if (query.shape[2] != 1 or self.group_size is None or any(kwargs.get(f) is not None for f in
                                                                    _UNMERGED_FEATURES)
                 or (mask is not None and (mask.dtype != torch.bool or mask.shape[-2] != 1))):
@@ -80,46 +91,39 @@ class SharedPromptLayer(DynamicLayer):
         self.unread = False
         N, H, _, D = query.shape
         U, Hkv, P, _ = self.prompt_keys.shape
-        G, groups = self.group_size, H // Hkv
+        G, groups, s = self.group_size, H // Hkv, key.shape[2]
         scaling = kwargs.get("scaling") or D ** -0.5
-        work = torch.promote_types(query.dtype, torch.float32)
-        q = query.reshape(N, Hkv, groups, D).to(work)
-        prompt_mask = own_mask = None
+        own_mask = None
         if mask is not None:
-            if mask.shape[-1] != P + key.shape[2]:
+            if mask.shape[-1] != P + s:
                 raise RuntimeError(f"shared-prompt decoding: the mask spans {mask.shape[-1]} columns, the cache "
-                                   f"{P} + {key.shape[2]}")
-            flat = mask.expand(N, 1, 1, P + key.shape[2]).reshape(N, P + key.shape[2])
-            prompt_mask, own_mask = flat[:, :P], flat[:, P:]
+                                   f"{P} + {s}")
+            own_mask = mask.expand(N, 1, 1, P + s)[..., P:]
+        q = query.reshape(N, Hkv, groups, D)
         # the prompt part: each prompt's G rows' queries side by side against its keys
         q_sorted = q[self.order].reshape(U, G, Hkv, groups, D).transpose(1, 2).reshape(U, Hkv, G * groups, D)
-        if prompt_mask is not None:
-            prompt_mask = (prompt_mask[self.order].reshape(U, G, 1, P)[:, None]
-                           .expand(U, 1, G, groups, P).reshape(U, 1, G * groups, P))
-        out_p, lse_p = _partial_attention(q_sorted, self.prompt_keys.to(work), self.prompt_values.to(work),
-                                          prompt_mask, scaling)
-        out_p = out_p.reshape(U, Hkv, G, groups, D).transpose(1, 2).reshape(N, Hkv, groups, D)
-        lse_p = lse_p.reshape(U, Hkv, G, groups).transpose(1, 2).reshape(N, Hkv, groups)
-        unsorted = torch.empty_like(self.order)
-        unsorted[self.order] = torch.arange(N, device=self.order.device)
-        out_p, lse_p = out_p[unsorted], lse_p[unsorted]
+        out_p, lse_p = _partial_attention(q_sorted, self.prompt_keys, self.prompt_values, self.prompt_mask, scaling)
+        out_p = out_p.reshape(U, Hkv, G, groups, D).transpose(1, 2).reshape(N, Hkv, groups, D)[self.unsorted]
+        lse_p = lse_p.reshape(U, Hkv, G, groups).transpose(1, 2).reshape(N, Hkv, groups)[self.unsorted]
         # the rows' own part
-        out_o, lse_o = _partial_attention(q, key.to(work), value.to(work),
-                                          None if own_mask is None else own_mask[:, None, None, :], scaling)
+        out_o, lse_o = _partial_attention(q, key, value, own_mask, scaling)
         lse = torch.logaddexp(lse_p, lse_o)
         out = out_p * torch.exp(lse_p - lse)[..., None] + out_o * torch.exp(lse_o - lse)[..., None]
         return out.reshape(N, 1, H, D).to(query.dtype)
 
 
 def _partial_attention(q, k, v, mask, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q [B, Hkv, M, D] over k/v [B, Hkv, L, D] with mask [B, 1, M, L] (True: attend) or
-    None -> (out [B, Hkv, M, D], lse [B, Hkv, M]); a query with no key allowed gives out 0 and lse -inf."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    """Softmax attention of q [B, Hkv, M, D] over k/v [B, Hkv, L, D] with a mask broadcast to [B, 1, M, L] (True:
+    attend) or None -> (out [B, Hkv, M, D], lse [B, Hkv, M]), both in at least fp32; a query with no key allowed
+    gives out 0 and lse -inf. The matmuls run in the cache's dtype, the softmax in fp32 (as transformers' eager
+    attention), so a half-precision cache is read as it is, never copied up at each step."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scaling
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.matmul(torch.exp(scores - finite[..., None]), v), lse
+    weights = torch.exp(scores - finite[..., None])
+    return torch.matmul(weights.to(v.dtype), v).to(scores.dtype), lse
 
 
 def shared_prompt_attention(key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, mask, kwargs):
