@@ -33,8 +33,7 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
     DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, SequenceParallelOptions, changed_options,
-    check_shared_options, eval_split,
-    resolve_before_trainer_args, state_options_without_effect,
+    check_shared_options, pipeline_options, resolve_before_trainer_args, state_options_without_effect,
 )
 
 
@@ -270,21 +269,7 @@ class DPOModelArguments(ModelArguments):
 def data_options(config: PrefixDPOConfig, data: DataArguments | None = None):
     """The data pipeline's `DataOptions` from the config (lengths, truncation) and dataset arguments (None: the
     trainer's own, which reads no held-out split from a training dataset: evaluation data is given apart)."""
-    from prefixdpo.data.prepare import DataOptions
-
-    held_out = eval_split(config, data)
-    data = data or DataArguments()
-    return DataOptions(
-        max_length=config.max_length,
-        truncation_mode=config.truncation_mode,
-        overlong=data.overlong,
-        invalid=data.invalid,
-        pairs_policy=data.pairs_policy,
-        max_samples=data.max_samples,
-        split=data.dataset_train_split,
-        eval_split=held_out,
-        dataset_config=data.dataset_config,
-    )
+    return pipeline_options(config, data, DataArguments(), truncation_mode=config.truncation_mode)
 
 
 DPO_OPTIONS = (PrefixDPOConfig, DPOModelArguments, DataArguments)  # what `prefixdpo train` parses

@@ -189,7 +189,7 @@ def quantile_partners(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quantile_matched_loss(
-    a: Tensor, b: Tensor, b_at_rank_of_a: Tensor, a_at_rank_of_b: Tensor, beta: float, label_smoothing: float = 0.0
+    a: Tensor, b: Tensor, beta: float, label_smoothing: float = 0.0, partners: tuple[Tensor, Tensor] | None = None
 ) -> Tensor:
     """Per-pair share of ``sum_k f(a_(k) - b_(k))`` (a, b sorted independently over the step). All ``[P]``.
 
@@ -197,9 +197,12 @@ def quantile_matched_loss(
     whose gradient w.r.t. ``a_i`` is that of the sorted sum (a sort only routes gradients), plus
     ``g - g.detach()`` with ``g = f(A[rank_b(i)] - b_i)``: zero in value, it carries the sorted
     sum's gradient w.r.t. ``b_i``. Summed over all the step's pairs, value and gradients equal the
-    sorted formula's, however the pairs are split. Partners come from :func:`quantile_partners`,
-    possibly gathered in another dtype or on the host: they take ``a``'s / ``b``'s dtype and device here.
+    sorted formula's, however the pairs are split. ``partners``: ``(b_at_rank_of_a, a_at_rank_of_b)``,
+    :func:`quantile_partners` of the step's values picked for these pairs ``([P], [P])``, possibly gathered in
+    another dtype or on the host (they take ``a``'s / ``b``'s dtype and device here); ``None``: this call is the
+    whole step.
     """
+    b_at_rank_of_a, a_at_rank_of_b = partners if partners is not None else quantile_partners(a, b)
     b_at_rank_of_a, a_at_rank_of_b = b_at_rank_of_a.to(a), a_at_rank_of_b.to(b)
     carrier = _smoothed_logistic(a_at_rank_of_b - b, beta, label_smoothing)
     return _smoothed_logistic(a - b_at_rank_of_a, beta, label_smoothing) + (carrier - carrier.detach())
@@ -223,27 +226,18 @@ def aot_loss(
     """
     policy_margins = policy_chosen_logps - policy_rejected_logps
     ref_margins = ref_chosen_logps - ref_rejected_logps
-    if partners is None:
-        partners = quantile_partners(policy_margins, ref_margins)
-    return quantile_matched_loss(policy_margins, ref_margins, *partners, beta, label_smoothing)
+    return quantile_matched_loss(policy_margins, ref_margins, beta, label_smoothing, partners)
 
 
-def aot_unpaired_loss(
-    chosen_logratios: Tensor,
-    rejected_logratios: Tensor,
-    beta: float,
-    label_smoothing: float = 0.0,
-    partners: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
+def aot_unpaired_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float, label_smoothing: float = 0.0,
+                      partners: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """AOT (unpaired), https://arxiv.org/abs/2406.05882. ``[P] -> [P]``.
 
     TRL sorts the chosen and the rejected log-ratios over the batch independently; this is
     :func:`quantile_matched_loss` with ``a`` = chosen, ``b`` = rejected log-ratios. ``partners`` as
     in :func:`aot_loss`, of the step's log-ratios.
     """
-    if partners is None:
-        partners = quantile_partners(chosen_logratios, rejected_logratios)
-    return quantile_matched_loss(chosen_logratios, rejected_logratios, *partners, beta, label_smoothing)
+    return quantile_matched_loss(chosen_logratios, rejected_logratios, beta, label_smoothing, partners)
 
 
 def apo_zero_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> Tensor:

@@ -18,8 +18,7 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.options import (
     DataArguments, PrefixReuseOptions, PrefixSharingOptions, RunSafetyOptions, SequenceParallelOptions,
-    check_shared_options, eval_split,
-    resolve_before_trainer_args,
+    check_shared_options, pipeline_options, resolve_before_trainer_args,
 )
 
 
@@ -121,13 +120,7 @@ class RewardDataArguments(DataArguments):
 def reward_data_options(config: PrefixRewardConfig, data: DataArguments | None = None):
     """The data pipeline's `DataOptions` for reward training (lengths from `config`, the rest from `data`; None: the
     trainer's own, which reads no held-out split from a training dataset)."""
-    from prefixdpo.data.prepare import DataOptions
-
-    held_out = eval_split(config, data)
-    data = data or RewardDataArguments()
-    return DataOptions(max_length=config.max_length, overlong=data.overlong, invalid=data.invalid,
-                       pairs_policy=data.pairs_policy, max_samples=data.max_samples, split=data.dataset_train_split,
-                       eval_split=held_out, dataset_config=data.dataset_config)
+    return pipeline_options(config, data, RewardDataArguments())
 
 
 REWARD_OPTIONS = (PrefixRewardConfig, RewardModelArguments, RewardDataArguments)  # what `prefixdpo reward` parses

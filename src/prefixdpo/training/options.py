@@ -225,6 +225,22 @@ class DataArguments(ScriptArguments):
     invalid: str = field(default="error", metadata={"help": "Invalid records: error or skip."})
 
 
+# The `DataOptions` fields `DataArguments` holds under the same names (the lengths come from the config).
+RECORD_OPTIONS = ("overlong", "invalid", "pairs_policy", "max_samples", "dataset_config")
+
+
+def pipeline_options(config, data: DataArguments | None, default: DataArguments, **from_config):
+    """The data pipeline's `DataOptions` of a DPO or reward run: `max_length` (and `from_config`, e.g. DPO's
+    `truncation_mode`) from the config, the rest from the dataset arguments `data` (None: `default`, the trainer's
+    own, which reads no held-out split from a training dataset: evaluation data is given apart)."""
+    from prefixdpo.data.prepare import DataOptions
+
+    held_out = eval_split(config, data)
+    data = data or default
+    return DataOptions(max_length=config.max_length, split=data.dataset_train_split, eval_split=held_out,
+                       **{name: getattr(data, name) for name in RECORD_OPTIONS}, **from_config)
+
+
 def eval_split(config, data: ScriptArguments | None) -> str | None:
     """The held-out split a command reads, as TRL's scripts choose it: `dataset_test_split` when `eval_strategy` is
     not 'no', else none; none without dataset arguments (the Python API gives its evaluation data apart)."""

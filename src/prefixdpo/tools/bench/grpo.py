@@ -29,7 +29,7 @@ import contextlib
 import random
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -38,7 +38,8 @@ from prefixdpo.tools.bench.flops import FlopCount, ModelShape, forward_flops, sh
 
 from prefixdpo.tools.bench.memory import PeakMemory
 
-from prefixdpo.tools.bench.runner import Spread
+from prefixdpo.tools.bench.results import ModeRun, WorkloadRun
+from prefixdpo.tools.bench.spread import Spread
 
 from prefixdpo.errors import UserError
 
@@ -314,43 +315,22 @@ class GroupTrainingStep:
 
 
 @dataclass
-class GroupModeResult:
-    """One mode on one profile. tokens: real tokens its passes run per pass; slots: lines x line length;
-    entropies: TRL's logged mean entropy of each step in the first (warm-up) pass."""
+class GroupModeResult(ModeRun):
+    """One mode on one profile: `ModeRun`'s fields (tokens: the real tokens its passes run per pass), completions
+    per second of each counted pass, and TRL's logged mean entropy of each step in the first (warm-up) pass."""
 
-    mode: str
     completions_per_s: Spread
-    seconds: list[float]
-    peak_mb: float
-    tokens: int
-    slots: int
-    lines: int
     entropies: list[float]
-    steps: int
-
-    @property
-    def fill(self) -> float:
-        return self.tokens / self.slots if self.slots else 0.0
-
-    @property
-    def seconds_per_step(self) -> float:
-        """Median over the counted passes of a pass's seconds, per step."""
-        return statistics.median(self.seconds) / self.steps
 
 
-@dataclass
-class GroupProfileResult:
-    """All modes on one profile, the speedups over TRL's layout, and the FLOP model's ideal."""
+@dataclass(kw_only=True)
+class GroupProfileResult(WorkloadRun):
+    """All modes on one profile (`WorkloadRun`; speedups over TRL's layout), its sizes and the FLOP model's ideal."""
 
-    name: str
     group_size: int
     prompts_per_step: int
-    steps: int
     lengths: dict
     ideal: Ideal
-    modes: dict[str, GroupModeResult]
-    speedups: dict[str, Spread]
-    notes: list[str] = field(default_factory=list)
 
     @property
     def achieved_over_ideal(self) -> float:

@@ -277,8 +277,7 @@ def to_json(results: list[GroupProfileResult], steps: list[WholeStep], meta: dic
         d["achieved_over_ideal"] = r.achieved_over_ideal
         d["aim_met"] = r.achieved_over_ideal >= AIM
         for m, mr in r.modes.items():
-            d["modes"][m]["fill"] = mr.fill
-            d["modes"][m]["seconds_per_step"] = mr.seconds_per_step
+            d["modes"][m] |= mr.derived()
         profiles.append(d)
     whole = []
     for w in steps:

@@ -33,7 +33,7 @@ def to_json(results: list[ProfileResult], meta: dict) -> str:
         d["trie_over_ideal"] = r.trie_over_ideal()
         d["aims"] = aims(r)
         for m, mr in r.modes.items():
-            d["modes"][m]["fill"] = mr.fill
+            d["modes"][m] |= mr.derived()
         payload["profiles"].append(d)
     return json.dumps(payload, indent=2)
 

@@ -26,6 +26,7 @@ import torch
 from prefixdpo.tools.bench.memory import PeakMemory
 from prefixdpo.tools.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
 from prefixdpo.tools.bench.paper import PAPER
+from prefixdpo.tools.bench.results import ModeRun, WorkloadRun
 from prefixdpo.tools.bench.roofline import Roofline, RooflineProbe
 from prefixdpo.tools.bench.spread import Spread
 from prefixdpo.tools.bench.step import DPOStep
@@ -50,42 +51,25 @@ SPEEDUPS = (
 
 
 @dataclass
-class ModeResult:
-    """One mode on one workload. tokens = real (non-padding) tokens it ran; slots = lines x length."""
+class ModeResult(ModeRun):
+    """One mode on one workload: `ModeRun`'s fields, and pairs and real tokens per second of each counted pass."""
 
-    mode: str
     pairs_per_s: Spread
     tokens_per_s: Spread
-    seconds: list[float]
-    peak_mb: float
-    tokens: int
-    slots: int
-    lines: int
-    steps: int
     collate_ms_per_step: float
 
-    @property
-    def fill(self) -> float:
-        """Real tokens / computed slots (1 - padding fraction)."""
-        return self.tokens / self.slots if self.slots else 0.0
 
+@dataclass(kw_only=True)
+class ProfileResult(WorkloadRun):
+    """All modes on one workload (`WorkloadRun`), its sizes, the FLOP model's ideal and the paper's numbers."""
 
-@dataclass
-class ProfileResult:
-    """All modes on one workload, the speedups, and the FLOP model's ideal."""
-
-    name: str
     examples: int
     pairs: int
-    steps: int
-    pack_length: int
+    pack_length: int | None  # None: each step's examples in one line (`--packing step`)
     length_scale: float
     ideal: float
     flop_split: dict
-    modes: dict[str, ModeResult]
-    speedups: dict[str, Spread]
     paper: dict | None = None
-    notes: list[str] = field(default_factory=list)
     ideals: dict[str, float] = field(default_factory=dict)  # `flops.step_ideals`: per_record, grouped, trie
     roofline: Roofline | None = None  # each mode's useful FLOP/s over this device's matmul rate (`roofline`)
 
