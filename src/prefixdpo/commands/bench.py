@@ -14,16 +14,17 @@ from __future__ import annotations
 import os
 
 
+# the command's line in `prefixdpo --help`, and the head of its own help
+SUMMARY = "throughput of standard DPO vs prefix sharing (with/without packing) on this machine"
+DESCRIPTION = (
+    "Runs a full DPO step (policy forward+backward, reference forward, AdamW) in four modes - paired, "
+    "paired-packed, shared, shared-packed - on the same examples, interleaved and repeated, and reports "
+    "pairs/s, tokens/s, peak memory, speedups beside the paper's and the FLOP model's ideal."
+)
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="throughput of standard DPO vs prefix sharing (with/without packing) on this machine",
-        description=(
-            "Runs a full DPO step (policy forward+backward, reference forward, AdamW) in four modes - paired, "
-            "paired-packed, shared, shared-packed - on the same examples, interleaved and repeated, and reports "
-            "pairs/s, tokens/s, peak memory, speedups beside the paper's and the FLOP model's ideal."
-        ),
-    )
+    p = subparsers.add_parser("bench", help=SUMMARY, description=DESCRIPTION)
     p.add_argument("--quick", action="store_true", help="small, fast run (about a minute on 2 CPU cores)")
     p.add_argument("--task", default="dpo", choices=["dpo", "reward", "grpo", "reuse"],
                    help="dpo: a DPO step (policy + reference); reward: a reward-model step (Bradley-Terry, as TRL's "

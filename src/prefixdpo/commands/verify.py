@@ -35,20 +35,21 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
 DTYPES = ("bfloat16", "float16", "float32")  # core.verify.DTYPE_TOLERANCES' keys; importing it here would load torch
 
 
+# the command's line in `prefixdpo --help`, and the head of its own help
+SUMMARY = "check prefix-shared log-probs and gradients against separate passes on your model"
+DESCRIPTION = (
+    "Builds prefix-shared and packed rows (K=2 and K=4), standard sequences packed without sharing, and a "
+    "token trie (each pair a record of its own, every record behind one system prompt), "
+    "from built-in or given text, and compares "
+    "per-response log-probs and the gradient of a DPO loss against separate standard forward passes "
+    "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss; --task grpo: the per-token "
+    "log-probs, entropies and their gradients of a GRPO group batch against TRL's own pass). "
+    "Exits 1 if a difference is above tolerance, 2 on bad input (or a backend this device cannot run)."
+)
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "verify",
-        help="check prefix-shared log-probs and gradients against separate passes on your model",
-        description=(
-            "Builds prefix-shared and packed rows (K=2 and K=4), standard sequences packed without sharing, and a "
-            "token trie (each pair a record of its own, every record behind one system prompt), "
-            "from built-in or given text, and compares "
-            "per-response log-probs and the gradient of a DPO loss against separate standard forward passes "
-            "(--task reward: reward-model scores and the gradient of a Bradley-Terry loss; --task grpo: the per-token "
-            "log-probs, entropies and their gradients of a GRPO group batch against TRL's own pass). "
-            "Exits 1 if a difference is above tolerance, 2 on bad input (or a backend this device cannot run)."
-        ),
-    )
+    p = subparsers.add_parser("verify", help=SUMMARY, description=DESCRIPTION)
     p.add_argument("--model", default=None, help="model directory or hub name (AutoModelForCausalLM; with --task "
                                                  "reward: AutoModelForSequenceClassification, num_labels=1); "
                                                  "required, except with --task grpo (default: the embedded default of "

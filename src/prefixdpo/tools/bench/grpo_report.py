@@ -26,7 +26,7 @@ from prefixdpo.tools.bench.grpo import (
     run_profile,
     synthetic_rollouts,
 )
-from prefixdpo.tools.bench.grpo_step import PHASES, WholeStep, time_whole_step
+from prefixdpo.tools.bench.grpo_step import PHASES, PhaseTime, WholeStep, time_whole_step
 from prefixdpo.tools.bench.reward import build_reward_model
 from prefixdpo.tools.bench.model import SHAPES, llama_config
 from prefixdpo.errors import ConfigError
@@ -195,6 +195,11 @@ def _spread(s, fmt="{:.2f}") -> str:
     return f"{fmt.format(s.median)} ({fmt.format(s.min)}-{fmt.format(s.max)})"
 
 
+def _trl_to_ours(time: PhaseTime, ideal: float) -> str:
+    """A phase's cell: seconds per step, TRL's then prefixdpo's, with the speedup beside its ideal."""
+    return f"{time.trl:.3f} -> {time.ours:.3f} ({time.speedup:.2f}x, ideal {ideal:.2f})"
+
+
 def markdown_report(results: list[GroupProfileResult], steps: list[WholeStep], meta: dict) -> str:
     """Speedups beside the FLOP model's ideal, throughput per mode, the workloads, and the whole step."""
     lines = ["# prefixdpo bench --task grpo", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
@@ -242,8 +247,7 @@ def whole_step_lines(steps: list[WholeStep]) -> list[str]:
              "| profile | rows (prompts) x new tokens | generation | scoring | training | whole step | speedup | "
              "ideal | achieved / ideal |", "|---|---|---|---|---|---|---|---|---|"]
     for w in steps:
-        phase_cells = [f"{w.phases[p].trl:.3f} -> {w.phases[p].ours:.3f} ({w.phases[p].speedup:.2f}x, ideal "
-                       f"{w.ideals[p]:.2f})" for p in PHASES]
+        phase_cells = [_trl_to_ours(w.phases[p], w.ideals[p]) for p in PHASES]
         lines.append(f"| {w.profile} | {w.rows} ({w.unique_prompts}) x {w.new_tokens} | " + " | ".join(phase_cells)
                      + f" | {w.seconds('trl'):.3f} -> {w.seconds('ours'):.3f} | **{w.speedup:.2f}x** | "
                      f"{w.ideals['whole_step']:.2f} | {w.achieved_over_ideal:.2f} |")
@@ -252,8 +256,8 @@ def whole_step_lines(steps: list[WholeStep]) -> list[str]:
               "prompt's keys and values once per group) |", "|---|---|---|---|---|---|---|"]
     for w in steps:
         shares = {side: " / ".join(f"{w.share(p, side):.0%}" for p in PHASES) for side in ("trl", "ours")}
-        lines.append(f"| {w.profile} | {shares['trl']} | {shares['ours']} | {w.prefill.trl:.3f} -> "
-                     f"{w.prefill.ours:.3f} s ({w.prefill.speedup:.2f}x, ideal {w.ideals['prefill']:.2f}) | "
+        lines.append(f"| {w.profile} | {shares['trl']} | {shares['ours']} | "
+                     f"{_trl_to_ours(w.prefill, w.ideals['prefill'])} | "
                      f"{w.peak_mb['trl']:.0f} -> {w.peak_mb['ours']:.0f} | {w.same_tokens:.0%} of rows | "
                      f"{w.ideals['decode_cascade']:.2f} |")
     lines += ["", "Ideals (`bench.grpo_step`): prefill = its FLOPs as run (TRL: N x P slots, P x P pairs per row; "
@@ -285,7 +289,5 @@ def to_json(results: list[GroupProfileResult], steps: list[WholeStep], meta: dic
         d |= {"speedup": w.speedup, "achieved_over_ideal": w.achieved_over_ideal,
               "seconds": {s: w.seconds(s) for s in ("trl", "ours")},
               "shares": {s: {p: w.share(p, s) for p in PHASES} for s in ("trl", "ours")}}
-        for p in PHASES:
-            d["phases"][p]["speedup"] = w.phases[p].speedup
         whole.append(d)
     return json.dumps({"meta": meta, "profiles": profiles, "whole_steps": whole}, indent=2)

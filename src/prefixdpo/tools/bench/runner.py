@@ -85,20 +85,21 @@ class ProfileResult(WorkloadRun):
     def trie_over_ideal(self) -> dict[str, float]:
         """The trie mode's speedups over their ideals (vs paired-packed: trie; vs shared-packed: trie / per_record),
         where it ran."""
-        if TRIE_MODE not in self.modes:
-            return {}
-        alone = self.ideals["trie"] / self.ideals["per_record"]
-        return {"vs_paired_packed": self.speedups["trie_packed_vs_paired_packed"].median / self.ideals["trie"],
-                "vs_shared_packed": self.speedups["trie_packed_vs_shared_packed"].median / alone}
+        return self._over_ideals(TRIE_MODE, "trie")
 
     def grouped_over_ideal(self) -> dict[str, float]:
         """The grouped mode's speedups over their ideals: vs paired-packed (ideal: grouped) and vs shared-packed
         (ideal: grouped / per_record, what grouping alone saves)."""
-        if not self.grouped:
+        return self._over_ideals(GROUPED_MODE, "grouped")
+
+    def _over_ideals(self, mode: str, ideal: str) -> dict[str, float]:
+        """`mode`'s speedups (keys `<ideal>_packed_vs_*`) over the step ideal `ideal`, vs paired-packed, and over
+        what it saves beyond per-record sharing, vs shared-packed; empty where the mode did not run."""
+        if mode not in self.modes:
             return {}
-        alone = self.ideals["grouped"] / self.ideals["per_record"]
-        return {"vs_paired_packed": self.speedups["grouped_packed_vs_paired_packed"].median / self.ideals["grouped"],
-                "vs_shared_packed": self.speedups["grouped_packed_vs_shared_packed"].median / alone}
+        alone = self.ideals[ideal] / self.ideals["per_record"]
+        return {"vs_paired_packed": self.speedups[f"{ideal}_packed_vs_paired_packed"].median / self.ideals[ideal],
+                "vs_shared_packed": self.speedups[f"{ideal}_packed_vs_shared_packed"].median / alone}
 
 
 TRIE_MIN_SAVING = 0.1  # the trie mode runs where it saves at least this share of the grouped rows' tokens
