@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,37 @@ import torch
 # `make test` runs two pytest-xdist workers on the 2-core CI machine: one thread each keeps them from fighting
 # over the cores (tiny models gain little from a second thread); a plain `pytest` keeps two.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+
+class _NoDeepSpeedShmBuild:
+    """An import hook: `deepspeed.comm.torch` loads with its `build_shm_op` returning None.
+
+    On its CPU accelerator DeepSpeed JIT-builds a shared-memory all-reduce op (g++ and ninja: 90-120 s of the
+    2-core CI machine, on every fresh one) when its comm backend starts. The op serves `inference_all_reduce`
+    only; training's collectives (all_reduce, all_gather, reduce_scatter) are torch.distributed's over gloo with or
+    without it, so the ZeRO tests compute the same either way. Every rank script imports this module first."""
+
+    target = "deepspeed.comm.torch"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_without_shm_build(module) -> None:
+            run_module(module)
+            module.build_shm_op = lambda: None
+
+        spec.loader.exec_module = run_without_shm_build
+        return spec
+
+
+sys.meta_path.insert(0, _NoDeepSpeedShmBuild())
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ plain process with the same global batch.
    rank). ZeRO-2 keeps whole parameters.
 3. `reference_deepspeed_config` (TRL's rules for the reference engine's config) without DeepSpeed.
 
-The first DeepSpeed run on a machine JIT-builds DeepSpeed's shared-memory comm op (g++ and ninja, about
-90 s on 2 cores, cached in ~/.cache/torch_extensions); later runs reuse it.
+DeepSpeed's shared-memory all-reduce op (serving its inference all-reduce only) is not JIT-built here:
+`conftest._NoDeepSpeedShmBuild` says why training computes the same without it.
 """
 
 from __future__ import annotations
