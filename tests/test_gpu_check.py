@@ -4,6 +4,7 @@ checks on CPU, and its one-line skip where TRL is missing."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import cpu_half_dtype
 from prefixdpo.tools import gpu_check
 from prefixdpo.tools.gpu_check import dpo as gpu_check_dpo
 from prefixdpo.tools.gpu_check.results import CheckResult
@@ -161,17 +163,20 @@ def test_grpo_plan_and_names_match_the_grpo_package():
     assert "grpo" in gpu_check.SECTIONS  # a plain `make gpu-check` runs it
 
 
-def test_grpo_section_runs_its_checks_on_cpu():
+def test_grpo_section_runs_its_checks_on_cpu(monkeypatch):
     """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16), a tiny bench of every
     profile, the whole step."""
     from prefixdpo.tools.bench.model import SHAPES
 
     torch.set_num_threads(1)  # conftest restores it
+    dtypes = ("float32", str(cpu_half_dtype()).removeprefix("torch."))  # bfloat16 where this CPU attends in it
+    # the section's module (the package exports its `main` function under the same name)
+    monkeypatch.setattr(importlib.import_module("prefixdpo.tools.gpu_check.main"), "DTYPES", dtypes)
     lines = []
     results = gpu_check.grpo_section(["sdpa"], "cpu", time.monotonic() + 300, shape=SHAPES["quick"],
                                      length_scale=0.05, rollouts=1, repeats=1, warmup=0, log=lines.append)
     verify = [r for r in results if r.section == "grpo verify"]
-    assert [r.name for r in verify] == [f"{a} {d} sdpa" for a in gpu_check.GRPO_ARCHS for d in gpu_check.DTYPES]
+    assert [r.name for r in verify] == [f"{a} {d} sdpa" for a in gpu_check.GRPO_ARCHS for d in dtypes]
     assert all(r.status == "ok" for r in verify), [r.detail for r in verify]
     fp32 = [r for r in verify if "float32" in r.name]
     assert all(r.numbers["logp"] <= 1e-5 and 0 < r.numbers["grad"] <= 1e-4 for r in fp32)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_trl_model_config import _differences, lora_fields, spy_loads, trl_model_config
+from test_trl_model_config import HALF, HALF_NAME, _differences, lora_fields, spy_loads, trl_model_config
 
 from prefixdpo.cli import main
 from prefixdpo.errors import ConfigError
@@ -144,7 +144,7 @@ def _trainable(model) -> set[str]:
 # ------------------------------------------------------------------------------------ where each field lands
 
 
-GROUP_ARGV = ["--model_revision", "v1", "--dtype", "bfloat16", "--attn_implementation", "eager",
+GROUP_ARGV = ["--model_revision", "v1", "--dtype", HALF_NAME, "--attn_implementation", "eager",
               "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
               "--lora_target_modules", "q_proj", "k_proj", "--lora_modules_to_save", "lm_head", "--use_rslora",
               "--use_dora", "--dataset_train_split", "validation", "--eval_strategy", "steps", "--eval_steps", "1",
@@ -162,13 +162,13 @@ def test_model_and_script_options_land_in_the_group_trainer(command, group_local
     # the policy and its tokenizer, as `prefixdpo train` loads them
     policy = next(e for e in loads if e["kind"] == "AutoModelForCausalLM")
     assert policy["name"] == group_local.model and policy["kwargs"]["revision"] == "v1"
-    assert policy["attn"] == "eager" and policy["dtype"] == torch.bfloat16
+    assert policy["attn"] == "eager" and policy["dtype"] == HALF
     tokenizers = [e for e in loads if e["kind"] == "AutoTokenizer"]
     assert [e["kwargs"].get("revision") for e in tokenizers] == ["v1", "v1"]  # the policy's, the reward model's
     # a reward model by name: TRL loads it with model_init_kwargs, which the model options fill as TRL's script
     scorer = next(e for e in loads if e["kind"] == "AutoModelForSequenceClassification")
     assert scorer["name"] == group_local.model and scorer["kwargs"]["revision"] == "v1"
-    assert scorer["attn"] == "eager" and scorer["dtype"] == torch.bfloat16 and scorer["kwargs"]["num_labels"] == 1
+    assert scorer["attn"] == "eager" and scorer["dtype"] == HALF and scorer["kwargs"]["num_labels"] == 1
     assert trainer.reward_funcs[0] is not None and len(trainer.reward_funcs) == 2
     assert not [r for r in caplog.records if "will be ignored" in r.getMessage()]  # they were not
     assert created == []  # LoRA: the reference is the policy with its adapter off, nothing loaded
@@ -195,14 +195,14 @@ def test_model_and_script_options_land_in_the_group_trainer(command, group_local
 def test_trls_reference_loads_with_the_model_options(command, beta, group_local, tmp_path):
     """Without LoRA and with beta > 0 (RLOO's default 0.05), TRL loads the reference from the policy's path with
     model_init_kwargs: the revision, dtype and attention the model options name, as under TRL's script."""
-    argv = [*_base(command, group_local, tmp_path / "o"), "--model_revision", "v2", "--dtype", "bfloat16",
+    argv = [*_base(command, group_local, tmp_path / "o"), "--model_revision", "v2", "--dtype", HALF_NAME,
             "--attn_implementation", "eager", *(["--beta", beta] if beta else [])]
     with pytest.MonkeyPatch.context() as mp:
         code, trainer, _, err, created = run_group_command(mp, argv, train=False)
     assert code == 0, err
     assert [(Path(m), k["revision"], k["dtype"], k["attn_implementation"]) for m, k in created] == [
-        (Path(group_local.model), "v2", "bfloat16", "eager")]
-    assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
+        (Path(group_local.model), "v2", HALF_NAME, "eager")]
+    assert next(trainer.ref_model.parameters()).dtype == HALF
 
 
 def test_use_peft_trains_adapters_only(group_local, tmp_path):

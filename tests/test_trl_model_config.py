@@ -31,7 +31,7 @@ from typing import get_type_hints
 import pytest
 import torch
 
-from conftest import make_examples, tiny_model
+from conftest import cpu_half_dtype, make_examples, tiny_model
 from prefixdpo.cli import main
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo.tools.demo import DemoSpec, build_demo
@@ -43,6 +43,10 @@ from prefixdpo.training.options import DataArguments, ScriptArguments
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
+
+# the half precision the loading options ask for (bfloat16, or float16 where this CPU cannot attend in bf16)
+HALF = cpu_half_dtype()
+HALF_NAME = str(HALF).removeprefix("torch.")
 
 # Where our default differs from TRL's, and why. Nothing else may differ.
 DEFAULT_EXCEPTIONS = {
@@ -218,7 +222,7 @@ def lora_fields(config) -> dict:
     return {key: getattr(config, key) for key in LORA_KEYS}
 
 
-DPO_ARGV = ["--model_revision", "v1", "--dtype", "bfloat16", "--attn_implementation", "eager",
+DPO_ARGV = ["--model_revision", "v1", "--dtype", HALF_NAME, "--attn_implementation", "eager",
             "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
             "--lora_target_modules", "q_proj", "k_proj", "--lora_modules_to_save", "lm_head", "--use_rslora",
             "--use_dora", "--dataset_train_split", "validation", "--eval_strategy", "epoch",
@@ -248,12 +252,12 @@ def test_model_options_reach_from_pretrained_of_model_tokenizer_and_reference(dp
     assert [e["name"] for e in models] == [local.model, local.model]  # the model, then the named reference
     for entry in models:
         assert entry["kwargs"]["revision"] == "v1" and entry["kwargs"]["attn_implementation"] == "eager"
-        assert entry["attn"] == "eager" and entry["dtype"] == torch.bfloat16  # as loaded, before prefixdpo's
+        assert entry["attn"] == "eager" and entry["dtype"] == HALF  # as loaded, before prefixdpo's
     assert [e["kwargs"].get("revision") for e in tokenizers] == ["v1"]
     trainer = dpo_run.trainer
-    assert trainer.ref_model is not None and next(trainer.ref_model.parameters()).dtype == torch.bfloat16
+    assert trainer.ref_model is not None and next(trainer.ref_model.parameters()).dtype == HALF
     base = trainer.model.get_base_model()
-    assert base.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert base.model.embed_tokens.weight.dtype == HALF
     # every training pass runs prefixdpo's registered attention, whatever the model was loaded with
     assert base.config._attn_implementation == trainer.ref_model.config._attn_implementation == "prefixdpo"
 
@@ -306,14 +310,14 @@ def test_ignore_bias_buffers_lands_in_ddp(dpo_run, tmp_path):
 def test_reward_command_loads_the_same_way_and_trains_the_score_head(local):
     argv = ["reward", "--model_name_or_path", local.model, "--dataset_name", local.data, "--output_dir",
             str(local.root / "rm-out"), "--model_revision", "v2", "--attn_implementation", "eager", "--dtype",
-            "bfloat16", "--use_peft", "--lora_r", "4", "--report_to", "none"]
+            HALF_NAME, "--use_peft", "--lora_r", "4", "--report_to", "none"]
     with pytest.MonkeyPatch.context() as mp:
         loads = spy_loads(mp)
         code, trainer, _, err = run_command(mp, argv, train=False)
     assert code == 0, err
     model_load = next(e for e in loads if e["kind"] == "AutoModelForSequenceClassification")
     assert model_load["kwargs"]["revision"] == "v2" and model_load["attn"] == "eager"
-    assert model_load["dtype"] == torch.bfloat16 and model_load["kwargs"]["num_labels"] == 1
+    assert model_load["dtype"] == HALF and model_load["kwargs"]["num_labels"] == 1
     assert [e["kwargs"].get("revision") for e in loads if e["kind"] == "AutoTokenizer"] == ["v2"]
     ours = trainer.model.peft_config["default"]
     assert ours.task_type == "SEQ_CLS" and type(trainer.model).__name__ == "PeftModelForSequenceClassification"
