@@ -17,12 +17,9 @@ import os
 # the command's line in `prefixdpo --help`, and the head of its own help
 SUMMARY = "throughput of standard DPO vs prefix sharing (with/without packing) on this machine"
 DESCRIPTION = (
-    "Runs a full DPO step (policy forward+backward, reference forward, AdamW) in four modes - paired, "
-    "paired-packed, shared, shared-packed (and grouped-packed / trie-packed where records share a prompt) - on the "
-    "same examples, interleaved and repeated, and reports pairs/s, tokens/s, peak memory, speedups beside the "
-    "paper's and the FLOP model's ideal, and each mode's share of this device's matmul rate. --task reward, grpo "
-    "and reuse time a reward-model step, GRPO's step (TRL's layout vs prefix-shared, and the whole step with "
-    "generation) and prefix reuse instead."
+    "Runs a full DPO step (policy forward+backward, reference forward, AdamW) in four modes - paired, paired-packed, "
+    "shared, shared-packed (and grouped/trie-packed where records share a prompt) - interleaved and repeated; reports "
+    "pairs/s, tokens/s, peak memory, speedups beside their ideals. --task reward / grpo / reuse: those steps instead."
 )
 
 
