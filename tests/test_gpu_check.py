@@ -164,8 +164,8 @@ def test_grpo_plan_and_names_match_the_grpo_package():
 
 
 def test_grpo_section_runs_its_checks_on_cpu(monkeypatch):
-    """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16), a tiny bench of every
-    profile, the whole step."""
+    """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16, or fp16 where this CPU
+    cannot attend in bf16: `conftest.cpu_half_dtype`), a tiny bench of every profile, the whole step."""
     from prefixdpo.tools.bench.model import SHAPES
 
     torch.set_num_threads(1)  # conftest restores it
