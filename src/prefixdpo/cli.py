@@ -32,7 +32,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_process = argv is None  # the console script or `python -m prefixdpo.cli`: this process is the command
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the command line is still importing its libraries (building the parser imports transformers
+        # and TRL: seconds): nothing was started, so nothing is lost.
+        command = next((a for a in argv if not a.startswith("-")), "train")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"prefixdpo {command}: stopped at once by Ctrl-C before it started", file=sys.stderr, flush=True)
+        if as_process:
+            # CPython 3.11 marks a KeyboardInterrupt raised inside `exec`/`eval` of a string (dataclasses and
+            # namedtuples build methods that way while modules import) as unhandled even once caught, and then
+            # kills the process with SIGINT at exit instead of exiting 130: leave now, nothing is left to flush.
+            sys.stdout.flush()
+            os._exit(130)
+        return 130
+
+
+def run_command(argv: list[str]) -> int:
+    """Parse `argv` and run its command; -> the exit code (each expected way to end is one line, `main`)."""
     parser = build_parser()
     if not argv:
         argv = ["train"]  # the embedded default: `prefixdpo` alone runs the demo training job

@@ -232,6 +232,8 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         with torch.no_grad():
             for inputs in dataloader:
                 self._pair_step(model, inputs, "eval")
+                # as Trainer's own loop: where a signal during training stops the evaluation (`survival`)
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         model.train(was_training)
         pairs = int(sums.reduced(self.accelerator)["pairs"])
         metrics = sums.summary(self.accelerator, prefix=f"{metric_key_prefix}_", with_loss=True)

@@ -32,7 +32,8 @@ def _say(text: str) -> None:
 
 class PreemptionSignals:
     """SIGTERM / SIGUSR1 / a first Ctrl-C (SIGINT) during training: remembered by the handler, acted on at the end
-    of the optimizer step (`survival.SurvivalCallback.on_step_end`: a complete checkpoint, then a stop). A second
+    of the optimizer step (`survival.SurvivalCallback.on_step_end`: a complete checkpoint, then a stop), or during
+    an evaluation inside training at its next batch (the evaluation stops, the last completed step is saved). A second
     Ctrl-C stops at once (KeyboardInterrupt): a checkpoint being written then stays in its hidden staging folder,
     never in view. Handlers can only be installed from the main thread."""
 
@@ -40,6 +41,7 @@ class PreemptionSignals:
         self.received: int | None = None
         self._first_interrupt: float | None = None
         self._previous: dict = {}
+        self.evaluating = False  # set around an evaluation inside training: the signal then stops the evaluation
 
     def install(self) -> None:
         self.received, self._first_interrupt = None, None
@@ -55,8 +57,12 @@ class PreemptionSignals:
         if self._first_interrupt is None:
             self._first_interrupt = now
             self.received = signum
-            _say("prefixdpo: Ctrl-C: finishing this optimizer step, then saving a checkpoint "
-                 "(Ctrl-C again to stop at once, losing the step)")
+            if self.evaluating:
+                _say("prefixdpo: Ctrl-C: stopping the evaluation, then saving a checkpoint of the last completed "
+                     "optimizer step (Ctrl-C again to stop at once)")
+            else:
+                _say("prefixdpo: Ctrl-C: finishing this optimizer step, then saving a checkpoint "
+                     "(Ctrl-C again to stop at once, losing the step)")
             return
         if os.environ.get("TORCHELASTIC_RUN_ID") and now - self._first_interrupt < SAME_CTRL_C_S:
             return  # torchrun forwarding the same Ctrl-C

@@ -41,17 +41,26 @@ from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
 logger = logging.getLogger(__name__)
 
 
+class EvaluationStopped(Exception):
+    """A preemption signal or Ctrl-C reached an evaluation inside training: raised out of the evaluation loop (no
+    Trainer control flag stops one midway) and caught by `SurvivingRun.train`, which saves the last completed
+    optimizer step and stops; no further step runs."""
+
+
 class SurvivalCallback(TrainerCallback):
     """Has every optimizer step checked for non-finite values before the optimizer applies it
-    (`nonfinite.NonFiniteGuard`), and turns a preemption signal into a checkpoint and a stop after the step."""
+    (`nonfinite.NonFiniteGuard`), and turns a preemption signal into a checkpoint and a stop after the step (or,
+    during an evaluation inside training, at the evaluation's next batch)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.signals = PreemptionSignals()
+        self.training = False  # between on_train_begin and on_train_end: signals are ours to act on
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
         self.signals.install()
+        self.training = True
 
     def _stop_now(self, args, state) -> bool:
         """Whether a signal reached any rank (every rank stops after the same step, whichever ranks it reached);
@@ -71,6 +80,20 @@ class SurvivalCallback(TrainerCallback):
         # a signal after the last step's check still means "stop, not done": `train` saves and raises
         self._stop_now(args, state)
         self.signals.restore()  # from here a SIGTERM ends the process as usual (nothing exported yet)
+        self.training = False
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        # After each evaluation batch: a signal (on any rank: every rank runs the same batches) stops the
+        # evaluation now rather than after it and one more optimizer step.
+        self._stop_evaluation_if_signalled(args, state)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        # a signal after the last batch's check: no further step either
+        self._stop_evaluation_if_signalled(args, state)
+
+    def _stop_evaluation_if_signalled(self, args, state) -> None:
+        if self.training and (self.trainer.preempted_at is not None or self._stop_now(args, state)):
+            raise EvaluationStopped
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         # The narrowest public hook that sees a whole step before it is applied: Trainer calls it once per
@@ -202,10 +225,14 @@ class SurvivingRun:
                                                            type(self).__name__)
         resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
         self.preempted_at, self.interrupted = None, False
+        output = None
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
+        except EvaluationStopped:  # a signal during an evaluation: `preempted_at` is the last completed step
+            pass
         finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
             self.survival_callback.signals.restore()
+            self.survival_callback.training = False
         if self.preempted_at is not None:
             folder = os.path.join(self.args.output_dir, f"checkpoint-{self.preempted_at}")
             if not os.path.isdir(folder):  # the signal came after the last step's check: save now
@@ -213,6 +240,16 @@ class SurvivingRun:
             stopped = TrainingInterrupted if self.interrupted else TrainingPreempted
             raise stopped(self.preempted_at, self.state.max_steps, folder)
         return output
+
+    def evaluate(self, *args, **kwargs):
+        """Trainer.evaluate; a Ctrl-C or preemption signal during it (inside training) is said to stop the
+        evaluation, which it does at the next batch (`SurvivalCallback.on_prediction_step`)."""
+        signals = self.survival_callback.signals
+        signals.evaluating = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            signals.evaluating = False
 
     # ---- save ----------------------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""Ctrl-C at any instant is one line and exit 130: while the command is still importing its libraries (before any
+work), and during an evaluation inside training, where it stops the evaluation, saves the last completed optimizer
+step's checkpoint and exits without running a further step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixdpo.cli import main
+from prefixdpo.training import checkpoints
+
+pytestmark = pytest.mark.usefixtures("no_progress_bars")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny model, and a dataset folder with a training file and a held-out `test.jsonl` of 16 records."""
+    from prefixdpo.tools.demo import DemoSpec, build_demo
+
+    work = tmp_path_factory.mktemp("interrupts")
+    build_demo(work / "base", DemoSpec(num_train=24, num_eval=16, hidden_size=32, intermediate_size=64,
+                                       num_heads=2, vocab_size=300))
+    (work / "data").mkdir()
+    shutil.copy(work / "base" / "train.jsonl", work / "data" / "train.jsonl")
+    shutil.copy(work / "base" / "eval.jsonl", work / "data" / "test.jsonl")
+    return work
+
+
+@pytest.mark.parametrize("delay_s", [0.4, 1.5, 3.0])
+def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, delay_s):
+    """(~3 s each) SIGINT a few moments after `prefixdpo train` starts, while it imports torch, transformers and TRL
+    (about 8 s of imports on this machine before any option is read): exit 130 and one line on stderr, never a
+    KeyboardInterrupt traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen([sys.executable, "-m", "prefixdpo.cli", "train", "--output_dir", str(tmp_path / "o")],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    assert process.poll() is None, "the command ended before the Ctrl-C: this test's point is not reached"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines() == ["prefixdpo train: stopped at once by Ctrl-C before it started"], err[-3000:]
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_ctrl_c_during_evaluation_stops_it_saves_the_last_step_and_runs_no_further_step(base, tmp_path, capfd,
+                                                                                        monkeypatch):
+    """(~10 s) A Ctrl-C during the second batch of the evaluation after optimizer step 2 (eval every 2 steps, one
+    held-out pair per batch): the evaluation stops at that batch, a complete checkpoint of step 2 is saved (none of
+    step 3), nothing is exported, and the run ends with one line naming step 2 and the resume option, exit 130."""
+    from prefixdpo.dpo.trainer import PrefixDPOTrainer
+
+    original = PrefixDPOTrainer._pair_step
+    seen = {"eval_batches": 0, "train_steps_after": 0}
+
+    def pair_step(self, model, inputs, split):
+        if split == "eval" and self.state.global_step == 2:
+            seen["eval_batches"] += 1
+            if seen["eval_batches"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        elif split != "eval" and self.state.global_step >= 2:
+            seen["train_steps_after"] += 1
+        return original(self, model, inputs, split)
+
+    monkeypatch.setattr(PrefixDPOTrainer, "_pair_step", pair_step)
+    out_dir = tmp_path / "run"
+    code = main(["train", "--model", str(base / "base" / "model"), "--dataset", str(base / "data"),
+                 "--output_dir", str(out_dir), "--max_steps", "6", "--eval_strategy", "steps", "--eval_steps", "2",
+                 "--per_device_eval_batch_size", "1", "--save_strategy", "steps", "--save_steps", "100",
+                 "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--bf16", "false",
+                 "--logging_steps", "1", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
+                 "--report_to", "none"])
+    out, err = capfd.readouterr()  # the handler writes to fd 2 itself
+    assert code == 130, err[-3000:]
+    assert seen["eval_batches"] == 2, "the evaluation ran on after the Ctrl-C"
+    assert seen["train_steps_after"] == 0, "an optimizer step ran after the Ctrl-C"
+    assert "Ctrl-C: stopping the evaluation, then saving a checkpoint of the last completed optimizer step" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("prefixdpo train: interrupted (Ctrl-C) at step 2 of 6: checkpoint saved to "), err[-3000:]
+    assert checkpoints.checkpoint_problem(str(out_dir / "checkpoint-2"), None) is None
+    assert json.loads((out_dir / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert not (out_dir / "checkpoint-3").exists() and not (out_dir / "model.safetensors").exists()
+    assert "Model saved" not in out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is put back
