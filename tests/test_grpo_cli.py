@@ -179,6 +179,28 @@ def test_given_model_dataset_rewards_lora_and_resume(tmp_path, capsys, monkeypat
     assert config["r"] == 4
 
 
+def test_a_prompt_over_max_tokens_per_pass_is_said_once_and_counted(tmp_path, capsys, caplog):
+    """The budget splits the completions after a prompt into chunks, not the prompt: a prompt longer than it runs
+    in one pass (finding 9 of issue 35: exceeded silently). Said once at the first such line, counted at the end."""
+    from grpo_common import prompt_dataset, saved_tiny_model, tokenizer
+
+    model_dir = saved_tiny_model(tmp_path / "model")
+    tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "prompts.jsonl"
+    prompt_dataset(4).to_json(str(data))
+    argv = ["grpo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
+            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "8", "--max_steps", "1", "--prefix_reuse", "true", "--max_tokens_per_pass",
+            "16", "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"]
+    with caplog.at_level("WARNING", logger="prefixdpo.core.attention.reuse_plan"):
+        stdout = _run_cli(argv, capsys)
+    said = [r.getMessage() for r in caplog.records if "max_tokens_per_pass=16" in r.getMessage()]
+    assert len(said) == 1 and re.match(r"prefix reuse: a shared prefix \(prompt\) of \d+ tokens runs in one pass, "
+                                       r"\d+ over max_tokens_per_pass=16", said[0]), said
+    assert re.search(r"^Prefix reuse: \d+ lines ran a pass over max_tokens_per_pass=16 \(the largest: a shared "
+                     r"prefix \(prompt\) of \d+ tokens, \d+ over;", stdout, re.M), stdout
+
+
 @pytest.mark.parametrize("command", ["grpo"])
 def test_embedded_default_learns_its_reward(command, tmp_path, capsys):
     out = tmp_path / "run"
