@@ -91,6 +91,56 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "no reward" in _error_line(capsys)
 
 
+@pytest.mark.parametrize("command, completion, advice", [
+    ("grpo", 16, "set --max_completion_length 7 or less, or shorten its prompt (TRL truncates no prompt)"),
+    ("rloo", 8, "shorten or remove the prompts of 64 tokens or more (TRL truncates no prompt)"),
+])
+def test_a_prompt_past_the_models_positions_is_refused_in_one_line(command, completion, advice, tmp_path, capsys):
+    """TRL 1.16 neither truncates nor drops a long prompt: it would generate and train past the model's 64
+    positions (exit 0, "Model saved"). Refused before any work, naming the source record (record 0 skipped: row 1
+    is record 2) with train's check (`core.fit.refuse_over_limit`)."""
+    from grpo_common import saved_tiny_model, tokenizer
+
+    model_dir = saved_tiny_model(tmp_path / "model", max_position_embeddings=64)
+    tokenizer().save_pretrained(model_dir)
+    long_prompt = "long words " * {"grpo": 8, "rloo": 40}[command]
+    records = [{"question": "no prompt"}, {"prompt": "hello"}, {"prompt": long_prompt}, {"prompt": long_prompt}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run"
+    argv = [command, "--model", model_dir, "--dataset", str(data), "--invalid", "skip", "--reward_funcs",
+            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "2", "--per_device_train_batch_size", "2",
+            "--max_completion_length", str(completion), "--max_steps", "1", "--output-dir", str(out)]
+    assert main(argv) == 2
+    prompt = {"grpo": 57, "rloo": 281}[command]
+    assert _error_line(capsys).endswith(
+        f"record 2: its prompt ({prompt} tokens) + max_completion_length ({completion}) is {prompt + completion} "
+        f"tokens, more than the 64 positions of LlamaForCausalLM (max_position_embeddings) (1 more records are over "
+        f"too): {advice}")
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_prompt_lengths_are_trls():
+    """The check counts a prompt's tokens as TRL's `_tokenize_prompts` makes them (text and messages; GRPO's and
+    RLOO's)."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from grpo_common import tokenizer
+    from prefixdpo.grpo.prompt_fit import prompt_lengths
+
+    tok = tokenizer()
+    texts = ["hello there", "the quick brown fox " * 5]
+    messages = [[{"role": "user", "content": text}] for text in texts]
+    for trl_class in (GRPOTrainer, RLOOTrainer):
+        trainer = SimpleNamespace(processing_class=tok, chat_template_kwargs={}, tools=None, chat_template=None,
+                                  _is_vlm=False, environment_factories=None)
+        for prompts in (texts, messages):
+            assert prompt_lengths(trainer, prompts) == [len(ids) for ids in
+                                                        trl_class._tokenize_prompts(trainer, prompts)[0]]
+
+
 def _run_cli(argv, capsys) -> str:
     torch.set_num_threads(1)  # tiny models; conftest's fixture restores the thread count
     assert main(argv) == 0
@@ -127,6 +177,28 @@ def test_given_model_dataset_rewards_lora_and_resume(tmp_path, capsys, monkeypat
     assert steps == [2]  # resumed after step 1: only step 2 ran
     config = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
     assert config["r"] == 4
+
+
+def test_a_prompt_over_max_tokens_per_pass_is_said_once_and_counted(tmp_path, capsys, caplog):
+    """The budget splits the completions after a prompt into chunks, not the prompt: a prompt longer than it runs
+    in one pass (finding 9 of issue 35: exceeded silently). Said once at the first such line, counted at the end."""
+    from grpo_common import prompt_dataset, saved_tiny_model, tokenizer
+
+    model_dir = saved_tiny_model(tmp_path / "model")
+    tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "prompts.jsonl"
+    prompt_dataset(4).to_json(str(data))
+    argv = ["grpo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
+            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "8", "--max_steps", "1", "--prefix_reuse", "true", "--max_tokens_per_pass",
+            "16", "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"]
+    with caplog.at_level("WARNING", logger="prefixdpo.core.attention.reuse_plan"):
+        stdout = _run_cli(argv, capsys)
+    said = [r.getMessage() for r in caplog.records if "max_tokens_per_pass=16" in r.getMessage()]
+    assert len(said) == 1 and re.match(r"prefix reuse: a shared prefix \(prompt\) of \d+ tokens runs in one pass, "
+                                       r"\d+ over max_tokens_per_pass=16", said[0]), said
+    assert re.search(r"^Prefix reuse: \d+ lines ran a pass over max_tokens_per_pass=16 \(the largest: a shared "
+                     r"prefix \(prompt\) of \d+ tokens, \d+ over;", stdout, re.M), stdout
 
 
 @pytest.mark.parametrize("command", ["grpo"])

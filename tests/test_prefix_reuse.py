@@ -217,6 +217,25 @@ def test_grpo_with_prefix_reuse_equals_trl(tmp_path, reused_passes):
     compare(theirs, ours)
 
 
+def test_passes_over_the_budget_are_said_once_and_counted(caplog):
+    """The budget splits the responses after a prefix; a prefix or a single response longer than it runs whole
+    (`reuse_plan.OverBudget`): a warning at the first such line (what, how many tokens, by how much), then counted."""
+    from prefixdpo.core.attention.reuse_plan import OVER_BUDGET
+
+    OVER_BUDGET.reset()
+    long_response = build_batch([Example([5, 6, 7, 8], [list(range(10, 22)), [30, 31, 32]], pairs=((0, 1),))])
+    assert plan_reuse(build_batch(_examples()).spans, 24, "sdpa") is not None  # prefixes of 24 and 17: within it
+    assert OVER_BUDGET.summary() is None
+    with caplog.at_level("WARNING", logger="prefixdpo.core.attention.reuse_plan"):
+        plan_reuse(long_response.spans, 8, "sdpa")
+        plan_reuse(build_batch(_examples()).spans, 8, "sdpa")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "prefix reuse: a single response of 12 tokens runs in one pass, 4 over max_tokens_per_pass=8"]
+    assert OVER_BUDGET.summary().startswith("Prefix reuse: 3 lines ran a pass over max_tokens_per_pass=8 (the "
+                                            "largest: a shared prefix (prompt) of 24 tokens, 16 over;")
+    OVER_BUDGET.reset()
+
+
 def test_reused_tokens_from_lengths_are_the_plans():
     """`reused_tokens` (what `inspect` reports, from lengths) is the prompt plus the plan's largest chunk."""
     from prefixdpo.core.attention.reuse_plan import reused_tokens

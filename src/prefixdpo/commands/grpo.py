@@ -182,15 +182,17 @@ class GroupRecipe(Recipe):
                     invalid=script_args.invalid)
         train, report = load_prompts(source, split=script_args.dataset_train_split, **load)
         print(f"Train prompts: {report.summary()}")
+        indices = {"train": report.kept_indices}  # messages name records by their index in the source
         held_out = None
         test_split = eval_split(config, script_args)
         if test_split is not None:
             held_out, eval_report = load_prompts(source, split=test_split, **load)
             print(f"Held-out prompts: {eval_report.summary()}")
+            indices["eval"] = eval_report.kept_indices
         name = setup.model_args.model_name_or_path or str(default.model_dir)
         tokenizer = self.load_tokenizer(setup, name)
         model = load_causal_lm(name, model_init_kwargs=setup.load_kwargs)
-        return Inputs(name, model, tokenizer, train, held_out, extra=rewards)
+        return Inputs(name, model, tokenizer, train, held_out, extra=(rewards, indices))
 
     def data_size(self, setup: ScriptSetup, inputs: Inputs) -> str:
         return f"{len(inputs.train)} prompts x {setup.config.num_generations} completions"
@@ -198,7 +200,9 @@ class GroupRecipe(Recipe):
     def make_trainer(self, setup: ScriptSetup, inputs: Inputs):
         trainer_class = self.classes()[0]
         with _without_trl_instance_warning(trainer_class):
-            return trainer_class(model=inputs.model, reward_funcs=inputs.extra, args=setup.config,
+            rewards, record_indices = inputs.extra
+            return trainer_class(model=inputs.model, reward_funcs=rewards, args=setup.config,
+                                 record_indices=record_indices,
                                  train_dataset=inputs.train, eval_dataset=inputs.held_out,
                                  processing_class=inputs.tokenizer, peft_config=setup.peft_config,
                                  callbacks=[_reward_callback()])

@@ -170,6 +170,16 @@ class Recipe:
         return (f"{self.saved}: {inputs.name} ({type(inputs.model).__name__}, {params / 1e6:.2f}M parameters); "
                 f"{self.data_size(setup, inputs)}; output: {setup.config.output_dir}")
 
+    @staticmethod
+    def report_over_budget(setup: ScriptSetup) -> None:
+        """With prefix reuse: the passes that held more than max_tokens_per_pass, if any (`reuse_plan.OverBudget`)."""
+        if getattr(setup.config, "prefix_reuse", False):
+            from prefixdpo.core.attention.reuse_plan import OVER_BUDGET
+
+            summary = OVER_BUDGET.summary()
+            if summary:
+                print(summary)
+
     # ---- the skeleton
 
     def run(self, args) -> int:
@@ -190,6 +200,7 @@ class Recipe:
         trainer.save_model(setup.config.output_dir)
         print()
         self.report(setup, inputs, trainer)
+        self.report_over_budget(setup)
         print(f"{self.saved} saved to {os.path.abspath(setup.config.output_dir)} ({time.time() - start:.0f} s)")
         sys.stdout.flush()
         return 0

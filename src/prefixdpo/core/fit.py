@@ -35,7 +35,7 @@ from prefixdpo.data.loader import _check_rows_fit as check_rows_fit  # the loade
 from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
 
-__all__ = ["DataDoesNotFitError", "position_limit", "check_positions", "mask_bytes", "memory_bound",
+__all__ = ["DataDoesNotFitError", "position_limit", "model_limits", "refuse_over_limit", "check_positions", "mask_bytes", "memory_bound",
            "check_mask_memory", "FitSettings", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
            "block_activation_bytes"]
 
@@ -91,29 +91,45 @@ def position_limit(model) -> int | None:
     return limit
 
 
-def check_positions(model, examples: Sequence[Example], name: str = "train") -> None:
-    """Refuse the first example whose longest `[prompt][response]` sequence is over the model's positions or
-    its sliding window, naming it, how many more are over, and the `max_length` that fits."""
+def model_limits(model, *, window: bool = True) -> list[tuple[int, str]]:
+    """(tokens, what they are, for messages) of each limit a sequence through `model` must stay within: its
+    positions (`position_limit`) and, with `window`, its sliding window (a prefix-shared row does not reproduce it)."""
     hf = base_model(model)
     limits = []
     positions = position_limit(model)
     if positions is not None:
         limits.append((positions, f"the {positions} positions of {type(hf).__name__} (max_position_embeddings)"))
-    window = sliding_window_of(hf)
-    if window is not None:
-        limits.append((window, f"the sliding-window attention of {type(hf).__name__} (window {window}), which "
-                               "prefix sharing does not reproduce over a shared row"))
-    if not limits:
-        return
-    limit, what = min(limits)
-    over = [(i, ex) for i, ex in enumerate(examples) if longest_sequence(ex) > limit]
+    size = sliding_window_of(hf) if window else None
+    if size is not None:
+        limits.append((size, f"the sliding-window attention of {type(hf).__name__} (window {size}), which "
+                             "prefix sharing does not reproduce over a shared row"))
+    return limits
+
+
+def refuse_over_limit(named_lengths: Sequence[tuple[str, int, str]], limit: tuple[int, str], advice: str) -> None:
+    """The one pre-flight check of every command's records against the model (`model_limits`): refuse the first
+    record whose longest sequence is over `limit`, in one line naming it, its tokens, how many more are over, and
+    `advice` (the option to change). named_lengths: per record, (its name, the tokens of its longest sequence, what
+    makes them, e.g. "its prompt + longest response")."""
+    tokens, what = limit
+    over = [(name, n, line) for name, n, line in named_lengths if n > tokens]
     if not over:
         return
-    i, ex = over[0]
+    name, n, line = over[0]
     more = f" ({len(over) - 1} more records are over too)" if len(over) > 1 else ""
-    raise DataDoesNotFitError(
-        f"{_where(ex, i, name)}: its prompt + longest response is {longest_sequence(ex)} tokens, more than "
-        f"{what}{more}: set --max_length {limit} or less")
+    raise DataDoesNotFitError(f"{name}: {line} is {n} tokens, more than {what}{more}: {advice}")
+
+
+def check_positions(model, examples: Sequence[Example], name: str = "train") -> None:
+    """Refuse the first example whose longest `[prompt][response]` sequence is over the model's positions or
+    its sliding window, naming it, how many more are over, and the `max_length` that fits."""
+    limits = model_limits(model)
+    if not limits:
+        return
+    limit = min(limits)
+    named = [(_where(ex, i, name), longest_sequence(ex), "its prompt + longest response")
+             for i, ex in enumerate(examples)]
+    refuse_over_limit(named, limit, f"set --max_length {limit[0]} or less")
 
 
 # ---- memory of the attention mask ----------------------------------------------------------------------

@@ -25,10 +25,12 @@ from prefixdpo.data.loading import load_records
 
 @dataclass
 class PromptReport:
-    """What loading kept: `loaded` records, `kept` prompts, the rest skipped by reason."""
+    """What loading kept: `loaded` records, `kept` prompts (`kept_indices`: the source index of each), the rest
+    skipped by reason."""
 
     loaded: int = 0
     kept: int = 0
+    kept_indices: list[int] = field(default_factory=list)
     skipped: SkipLog = field(default_factory=SkipLog)
 
     def summary(self) -> str:
@@ -72,6 +74,7 @@ def load_prompts(source, *, split: str | None = "train", dataset_config: str | N
     for index in range(len(records)):
         try:
             kept.append(checked_prompt_record(index, records[index]))
+            report.kept_indices.append(index)
         except InvalidRecordError as err:
             handle(err, invalid, report.skipped)
     report.kept = len(kept)

@@ -62,6 +62,7 @@ from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_
 from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
+from prefixdpo.grpo.prompt_fit import check_prompts_fit
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +324,11 @@ class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPrompt
     shared-prompt generation and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently
     wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`), each set up after TRL's `__init__`."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, record_indices: dict | None = None, **kwargs):
+        """TRL's arguments; record_indices (ours): {"train" / "eval" / an eval dataset's name: the source record
+        index of each row}, for messages naming a record, where rows are not the source's records (some skipped)."""
         super().__init__(*args, **kwargs)
+        check_prompts_fit(self, record_indices)  # before any work: a prompt past the model's positions, one line
         self._setup_prefix_sharing()
         self._setup_shared_generation()
         self._setup_shared_scoring()

@@ -68,8 +68,11 @@ PREFIX_REUSE_HELP = (
     "under FSDP2 with reshard_after_forward (FULL_SHARD) each pass gathers each layer again: one all-gather per "
     "layer per pass in forward and one in backward (SHARD_GRAD_OP: one per layer for all forward passes).")
 MAX_TOKENS_PER_PASS_HELP = (
-    "prefix_reuse: the most tokens one forward pass may hold (an int), or 'auto': the budget this device's memory "
-    "allows (`core.fit.auto_tokens_per_pass`, an estimate of activation memory per token from the model's shape).")
+    "prefix_reuse: the tokens of a line above which it runs its prefix once and its responses in chunks of at most "
+    "this many (an int), or 'auto': the budget this device's memory allows (`core.fit.auto_tokens_per_pass`, an "
+    "estimate of activation memory per token from the model's shape). A prefix (prompt), or a single response, "
+    "longer than it is not split: it runs in one pass of its own, said at the first such line (by how much) and "
+    "counted in the final report.")
 
 
 @dataclass
@@ -103,6 +106,9 @@ def resolve_tokens_per_pass(args, model) -> int | None:
     chunks (`core.prefix_reuse`)."""
     if not args.prefix_reuse:
         return None
+    from prefixdpo.core.attention.reuse_plan import OVER_BUDGET
+
+    OVER_BUDGET.reset()  # this run's passes over the budget, said once (`reuse_plan.OverBudget`)
     if str(args.max_tokens_per_pass) != "auto":
         return int(args.max_tokens_per_pass)
     import torch

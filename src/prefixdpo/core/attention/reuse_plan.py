@@ -1,9 +1,18 @@
 """How a line too long for one pass is run by prefix reuse (`core.prefix_reuse` runs it): its shared prefix once,
 then chunks of whole subtrees, each attending the prefix's cached keys and values (module doc there). Planning only:
-which columns are the prefix and which the chunks, from the line's spans (`data.lines`)."""
+which columns are the prefix and which the chunks, from the line's spans (`data.lines`).
+
+The budget bounds the chunks, not the prefix nor one subtree: a prefix (prompt) longer than `max_tokens_per_pass`
+runs in one pass of its own, and so does a single response (subtree) longer than it. Splitting either would need
+each piece to attend the cached keys and values of the pieces before it (a prefix's pieces, or a response's own
+earlier pieces beside the prefix's), and every rank of a sharded run to agree on a second kind of pass count
+(`prefix_reuse.agreed_shape`); that is not built. Such passes are said instead (`OverBudget`): a warning at the first
+line that holds one, naming it and by how much, and the count and the largest in the command's final report.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +28,48 @@ class LinePlan:
     line: int
     prefix: int
     chunks: tuple[tuple[int, int], ...]
+
+    def largest_pass(self) -> tuple[int, str]:
+        """(tokens of the largest pass of this plan, what it is): the prefix's, or its largest chunk's."""
+        chunk = max(end - start for start, end in self.chunks)
+        return (self.prefix, "a shared prefix (prompt)") if self.prefix >= chunk else (chunk, "a single response")
+
+
+class OverBudget:
+    """The passes planned over `max_tokens_per_pass` in this process (module doc): the first is warned about once,
+    the count and the largest are read by the command's final report (`summary`). `reset` at each trainer's start
+    (`training.options.resolve_tokens_per_pass`)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.lines, self.largest, self.what, self.budget = 0, 0, "", 0
+
+    def note(self, plan: LinePlan, budget: int) -> None:
+        """Count `plan` if one of its passes holds more than `budget` tokens; warn at the first."""
+        tokens, what = plan.largest_pass()
+        if tokens <= budget:
+            return
+        if not self.lines:
+            logging.getLogger(__name__).warning(
+                "prefix reuse: %s of %d tokens runs in one pass, %d over max_tokens_per_pass=%d (the budget splits "
+                "the responses after a prefix into chunks, not the prefix nor one response); said once, the count "
+                "is in the final report", what, tokens, tokens - budget, budget)
+        self.lines += 1
+        if tokens > self.largest:
+            self.largest, self.what, self.budget = tokens, what, budget
+
+    def summary(self) -> str | None:
+        """One line for the final report, or None when every pass held to the budget."""
+        if not self.lines:
+            return None
+        return (f"Prefix reuse: {self.lines} lines ran a pass over max_tokens_per_pass={self.budget} (the largest: "
+                f"{self.what} of {self.largest} tokens, {self.largest - self.budget} over; counted once per mask "
+                "built, on this process)")
+
+
+OVER_BUDGET = OverBudget()
 
 
 @dataclass(frozen=True)
@@ -92,10 +143,13 @@ def plan_reuse(spans: torch.Tensor, max_tokens: int, backend: str, segment_waste
     if max_tokens < 1:
         raise ConfigError(f"max_tokens_per_pass={max_tokens}: expected a positive number of tokens")
     plans = tuple(plan_line(spans[b].cpu(), b, max_tokens) for b in range(spans.shape[0]))
+    for plan in plans:
+        if plan is not None:
+            OVER_BUDGET.note(plan, max_tokens)
     aligned = rank_and_world()[1] > 1
     if all(plan is None for plan in plans) and not aligned:
         return None
     return PrefixReuse(plans, backend, segment_waste, aligned)
 
 
-__all__ = ["LinePlan", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse", "reused_tokens"]
+__all__ = ["LinePlan", "OverBudget", "OVER_BUDGET", "PrefixReuse", "line_prefix", "plan_line", "plan_reuse", "reused_tokens"]
