@@ -32,7 +32,7 @@ def _is_conversation(prompt) -> bool:
 def prompt_lengths(trainer, prompts: Sequence) -> list[int]:
     """Tokens of each prompt as TRL's `_tokenize_prompts` makes them for generation: text through the processing
     class, messages through its chat template with a generation prompt, TRL's tools, its training chat template
-    (GRPO with tools) and `chat_template_kwargs` (tests/test_grpo_prompt_fit.py compares them with TRL's own)."""
+    (GRPO with tools) and `chat_template_kwargs` (tests/test_grpo_cli.py compares them with TRL's own)."""
     processing = trainer.processing_class
     kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
     tools, template = getattr(trainer, "tools", None), getattr(trainer, "chat_template", None)
