@@ -169,9 +169,13 @@ def zero_reward(completions, **kwargs) -> list[float]:
     return [0.0] * len(completions)
 
 
-def build_verify_trainer(model, tokenizer, backend: str, output_dir: str):
+def build_verify_trainer(model, tokenizer, backend: str, output_dir: str, *, max_completion_length: int):
     """A `PrefixGRPOTrainer` over `model` (eval mode: no dropout) whose passes run on `backend`; TRL's defaults
-    otherwise (temperature 1, no reference); computing in the model's own dtype (no autocast)."""
+    otherwise (temperature 1, no reference); computing in the model's own dtype (no autocast).
+
+    max_completion_length: the completion columns of the rows it will compare (`GroupRows.logits_to_keep`); it
+    generates nothing, but its pre-flight check holds its placeholder prompts + this length to the model's
+    positions, as a run's (TRL's default, 512, is a whole tiny model's positions)."""
     from datasets import Dataset
 
     from prefixdpo.grpo.config import PrefixGRPOConfig
@@ -180,7 +184,8 @@ def build_verify_trainer(model, tokenizer, backend: str, output_dir: str):
     device = next(model.parameters()).device
     args = PrefixGRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=2,
                             use_cpu=device.type == "cpu", bf16=False, report_to="none", save_strategy="no",
-                            gradient_checkpointing=False, attention=backend, disable_tqdm=True)
+                            gradient_checkpointing=False, attention=backend, disable_tqdm=True,
+                            max_completion_length=max_completion_length)
     trainer = PrefixGRPOTrainer(model=model, reward_funcs=zero_reward, args=args,
                                 train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer)
     trainer.model.train(False)
@@ -261,5 +266,5 @@ def verify_cases(rows: GroupRows) -> list[tuple[str, dict]]:
 def run_group_verify(model, tokenizer, backend: str, rows: GroupRows) -> list[GroupVerifyResult]:
     """Every case of `verify_cases` on a verify trainer over `model` (in a temporary output folder)."""
     with tempfile.TemporaryDirectory(prefix="prefixdpo-verify-grpo-") as tmp:
-        trainer = build_verify_trainer(model, tokenizer, backend, tmp)
+        trainer = build_verify_trainer(model, tokenizer, backend, tmp, max_completion_length=rows.logits_to_keep)
         return [compare_group_pass(trainer, rows, case=name, **options) for name, options in verify_cases(rows)]

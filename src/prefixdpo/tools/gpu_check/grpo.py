@@ -46,7 +46,7 @@ def verify_check(arch: str, dtype_name: str, backend: str, device: str, toleranc
     worst = {"logp": 0.0, "entropy": 0.0, "grad": 0.0}
     failed = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-grpo-") as tmp:
-        trainer = build_verify_trainer(model, tokenizer, backend, tmp)
+        trainer = build_verify_trainer(model, tokenizer, backend, tmp, max_completion_length=rows.logits_to_keep)
         for case, options in verify_cases(rows):
             r = compare_group_pass(trainer, rows, case=case, **options)
             worst["logp"] = max(worst["logp"], r.logp_diff / max(1.0, r.logp_scale))
