@@ -8,9 +8,22 @@ import os
 import sys
 
 from prefixdpo.commands import COMMANDS
+from prefixdpo.core.engines import name_deepspeed_accelerator
 from prefixdpo.errors import TrainingPreempted, UserError
+from prefixdpo.training.versions import version_report, warn_if_untested
 
 TRAINING_COMMANDS = ("train", "reward", "grpo", "rloo")  # those that write checkpoints
+
+
+class PrintVersions(argparse.Action):
+    """`prefixdpo --version`: `versions.version_report()` (read when asked: it looks up installed metadata)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact, fast DPO-family preference tuning and reward-model training of Hugging Face models by "
                     "prefix sharing.",
     )
+    parser.add_argument("--version", action=PrintVersions,
+                        help="print prefixdpo's version and those of the libraries it runs on (with the ranges its "
+                             "tests passed), then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -53,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str]) -> int:
     """Parse `argv` and run its command; -> the exit code (each expected way to end is one line, `main`)."""
+    if argv[:1] == ["--version"]:  # at once: building the parser imports transformers and TRL (seconds)
+        print(version_report())
+        return 0
     parser = build_parser()
     if not argv:
         argv = ["train"]  # the embedded default: `prefixdpo` alone runs the demo training job
@@ -63,6 +82,8 @@ def run_command(argv: list[str]) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    warn_if_untested(args.command)  # a TRL / transformers / accelerate outside the tested ranges: one line
+    name_deepspeed_accelerator()  # no DeepSpeed warning on a CPU run that does not use it (accelerate imports it)
     try:
         code = int(args.func(args) or 0)
         leave_process_group()

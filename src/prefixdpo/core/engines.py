@@ -150,3 +150,27 @@ def local_numel(model) -> int:
 __all__ = ["EngineSettings", "describe_engine", "enable_requested_fsdp", "fsdp_requested", "local_numel",
            "prepare_reference_for_engine", "refuse_unsupported_engine_options", "sharded_parameter_count",
            "whole_model_state_dict"]
+
+
+def name_deepspeed_accelerator() -> None:
+    """Tell DeepSpeed, where it is installed, that this machine's accelerator is the CPU, when it is.
+
+    accelerate imports DeepSpeed wherever it is installed (`extract_model_from_parallel`, which every
+    `save_pretrained` calls), on runs that never use it; DeepSpeed then probes for an accelerator and, finding none,
+    prints a "Setting accelerator to CPU" warning at the top of a plain CPU run. Named here (`DS_ACCELERATOR`, its own
+    variable), it probes nothing and says nothing. Left alone where the user set it, or where any device DeepSpeed
+    knows could be present (CUDA, MPS, XPU, or an NPU / HPU plugin installed)."""
+    import importlib.util
+    import os
+
+    if "DS_ACCELERATOR" in os.environ or importlib.util.find_spec("deepspeed") is None:
+        return
+    plugins = ("torch_npu", "habana_frameworks", "intel_extension_for_pytorch")
+    if any(importlib.util.find_spec(plugin) for plugin in plugins):
+        return
+    import torch
+
+    xpu = getattr(torch, "xpu", None)
+    if torch.cuda.is_available() or torch.backends.mps.is_available() or (xpu is not None and xpu.is_available()):
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"

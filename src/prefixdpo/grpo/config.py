@@ -73,7 +73,7 @@ class GroupLayoutOptions:
         if self.bf16 is None:
             self.bf16 = not self.fp16 and device_has_bf16(self.use_cpu)
         # TRL's name; transformers calls it a deprecated alias of activation_checkpointing and warns unless set
-        if self.activation_checkpointing is None:
+        if getattr(self, "activation_checkpointing", False) is None:  # transformers 5.17 has only TRL's name
             self.activation_checkpointing = self.gradient_checkpointing
 
     def _check_prefix_options(self) -> None:

@@ -48,7 +48,7 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
             raise UserError("model is already a PEFT model; do not pass peft_config as well")
         from peft import get_peft_model
 
-        if args.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
+        if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):  # both names agree here
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
         quantized = is_quantized(model)
         try:

@@ -283,14 +283,17 @@ def resolve_before_trainer_args(args) -> None:
         # TRL resolves it to `not fp16`, which TrainingArguments then refuses on a machine without bf16
         # (a CPU unless use_cpu): here it is on only where the device has bf16, so a CPU run is fp32.
         args.bf16 = not args.fp16 and device_has_bf16(args.use_cpu)
-    # gradient_checkpointing* are TRL's names; transformers calls them deprecated aliases of
-    # activation_checkpointing* and warns on every config unless the new names are set.
-    if args.activation_checkpointing is None:
-        args.activation_checkpointing = args.gradient_checkpointing
-    if not args.activation_checkpointing_kwargs:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with our custom mask.
-        args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-    args.gradient_checkpointing_kwargs = args.activation_checkpointing_kwargs
+    # gradient_checkpointing* are TRL's names; transformers >= 5.2x calls them deprecated aliases of
+    # activation_checkpointing* and warns on every config unless the new names are set (5.17 has only the old ones).
+    if not hasattr(args, "activation_checkpointing"):
+        if not args.gradient_checkpointing_kwargs:  # non-reentrant: works with frozen inputs (LoRA) and our masks
+            args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    else:
+        if args.activation_checkpointing is None:
+            args.activation_checkpointing = args.gradient_checkpointing
+        if not args.activation_checkpointing_kwargs:
+            args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        args.gradient_checkpointing_kwargs = args.activation_checkpointing_kwargs
     if args.ddp_find_unused_parameters is None:
         # Every parameter is used in every step; Trainer's None would search when not checkpointing.
         args.ddp_find_unused_parameters = False
