@@ -224,7 +224,7 @@ def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_p
     def run(ids, mask, batch_size=None):
         with torch.no_grad():
             out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, batch_size)[0]
-        return out, trainer._last_layout[3]
+        return out, trainer._last_layout.lines
 
     logps, lines = run(input_ids, attention_mask)
     assert len(lines.masks) == 1
@@ -235,7 +235,7 @@ def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_p
     shorter[full, -1] = 0  # one completion a token shorter
     _, other = run(input_ids, shorter)
     assert other is not lines and other.num_real_tokens == lines.num_real_tokens - 1
-    trainer.args.packing = False
+    trainer.change_settings(packing=False)
     _, unpacked = run(input_ids, shorter)
     assert unpacked is not other and unpacked.num_lines == 3 and len(unpacked.masks) == 1
     _, chunked = run(input_ids, shorter, batch_size=1)  # the same lines, one per forward

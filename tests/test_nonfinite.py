@@ -400,12 +400,12 @@ def test_engines_where_the_policy_cannot_hold_are_refused():
         return SimpleNamespace(args=SimpleNamespace(**{**vars(args), **kw}), accelerator=accelerator)
 
     with pytest.raises(ConfigError, match="^nonfinite=stop: DeepSpeed without ZeRO in fp32 .*[^\n]$"):
-        check_engine_support(trainer({"zero_optimization": {"stage": 0}}))
+        check_engine_support(trainer({"zero_optimization": {"stage": 0}}), "stop")
     with pytest.raises(ConfigError, match="^nonfinite=skip with fp16: fp16's loss scaler"):
-        check_engine_support(trainer(nonfinite="skip", fp16=True, scaler=torch.amp.GradScaler("cpu")))
+        check_engine_support(trainer(fp16=True, scaler=torch.amp.GradScaler("cpu")), "skip")
     with pytest.raises(ConfigError, match="^nonfinite=skip with fp16"):  # DeepSpeed's fp16, "auto" from --fp16
-        check_engine_support(trainer({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}},
-                                     nonfinite="skip", fp16=True))
-    check_engine_support(trainer(fp16=True, scaler=torch.amp.GradScaler("cpu")))  # stop: the loss is checked
-    check_engine_support(trainer(nonfinite="skip", fp16=True))  # fp16 without a loss scaler (CPU): ours to skip
-    check_engine_support(trainer({"zero_optimization": {"stage": 3}}, nonfinite="skip"))
+        check_engine_support(trainer({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}}, fp16=True),
+                             "skip")
+    check_engine_support(trainer(fp16=True, scaler=torch.amp.GradScaler("cpu")), "stop")  # stop: the loss is checked
+    check_engine_support(trainer(fp16=True), "skip")  # fp16 without a loss scaler (CPU): ours to skip
+    check_engine_support(trainer({"zero_optimization": {"stage": 3}}), "skip")

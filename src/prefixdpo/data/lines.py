@@ -27,6 +27,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from prefixdpo.data.packing import round_up
+
 PAD = -1  # the span of a padding slot: (-1, -1)
 
 
@@ -112,10 +114,6 @@ class Lines:
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def bucket_length(n: int, base: int = 128) -> int:
     """Round `n` up to the next of a few lengths: base x {1, 2, 3, 4, 6, 8, 12, 16, ...} (steps of 1.5-2x).
 
@@ -132,7 +130,7 @@ def line_length(longest: int, *, length: int | None = None, pad_multiple: int = 
     """The length L of lines whose longest holds `longest` tokens: `length` if given (refused if too short), else
     `longest` rounded up to `pad_multiple`, or to `bucket_length` when `bucket`."""
     longest = max(longest, 1)
-    L = length if length is not None else bucket_length(longest) if bucket else _round_up(longest, pad_multiple)
+    L = length if length is not None else bucket_length(longest) if bucket else round_up(longest, pad_multiple)
     if longest > L:
         raise ValueError(f"a line holds {longest} tokens, more than the line length {L}")
     return L
@@ -186,7 +184,7 @@ def padded(lines: Lines, multiple: int, pad_token_id: int = 0):
     """`lines` (any `Lines`, e.g. a `Batch`) with padding columns appended up to a multiple of `multiple` (the same
     object when already there): pad ids, position 0, spans (-1, -1); targets and responses keep their columns."""
     B, L = lines.input_ids.shape
-    extra = _round_up(L, multiple) - L
+    extra = round_up(L, multiple) - L
     if extra == 0:
         return lines
 

@@ -42,7 +42,8 @@ def _check_lengths(row_lengths: Sequence[int]) -> list[int]:
     return lengths
 
 
-def _round_up(n: float, multiple: int) -> int:
+def round_up(n: float, multiple: int) -> int:
+    """The least multiple of `multiple` that is >= n (line lengths: FlexAttention's 128-blocks, shard counts)."""
     return int(math.ceil(n / multiple)) * multiple
 
 
@@ -69,7 +70,7 @@ def auto_pack_length(
     if not 0.0 < quantile <= 1.0 or factor <= 0 or multiple <= 0:
         raise ValueError(f"auto_pack_length: bad quantile={quantile} / factor={factor} / multiple={multiple}")
     q = float(np.quantile(np.asarray(lengths, dtype=np.float64), quantile))
-    return max(_round_up(factor * q, multiple), _round_up(max(lengths), multiple))
+    return max(round_up(factor * q, multiple), round_up(max(lengths), multiple))
 
 
 def plan_packs(

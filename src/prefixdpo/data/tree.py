@@ -10,7 +10,7 @@ dialogue) is one node, laid out once. The line is the trie in depth-first order:
 
     q may attend kv  <=>  tin[kv] <= tin[q] < tout[kv]      (kv is q or one of q's ancestors)
 
-which is the prefix-sharing rule (`branch[kv] in (0, branch[q])`) generalised from depth 1 to any depth: a query
+which is the rule of every line (`data.lines.Lines`; a prefix-shared row is its depth-1 case) at any depth: a query
 sees exactly the tokens of its own sequence before it, at their own positions, so every response's log-probs
 equal its plain `[prompt][response]` pass. Each response token is predicted by the node before it on its own
 sequence (the prompt's last token for the first one), wherever in the line that node is.

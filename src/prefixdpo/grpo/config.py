@@ -23,33 +23,19 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    PrefixReuseOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions, check_attention_and_pack_length,
-    check_prefix_reuse, check_sequence_parallel, device_has_bf16, join_cpu_processes,
+    PACKING_HELP, PrefixReuseOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions, SharedLineOptions,
+    check_attention_and_pack_length, check_prefix_reuse, check_sequence_parallel, device_has_bf16, join_cpu_processes,
 )
 
 
 @dataclass
-class GroupLayoutOptions:
-    """How the per-token log-prob passes lay out TRL's rows, how generation prefills the prompts, and how reward
-    models score (none of these changes a result beyond float rounding)."""
+class GroupLayoutOptions(SharedLineOptions):
+    """How the per-token log-prob passes lay out TRL's rows (`SharedLineOptions`: prefix sharing, packing, the
+    line length, the attention backend), how generation prefills the prompts, and how reward models score (none of
+    these changes a result beyond float rounding)."""
 
-    prefix_sharing: bool = field(
-        default=True,
-        metadata={"help": "Run each prompt once with its completions as branches after it (off: TRL's own passes)."},
-    )
-    packing: bool = field(
-        default=True, metadata={"help": "Pack several prompts' groups into one line (each attends only to itself)."}
-    )
-    pack_length: str = field(
-        default="auto",
-        metadata={"help": "Packed line length: 'auto' (1.1 x the 95th percentile of a pass's group lengths, rounded "
-                          "up to 128) or an int; a longer group gets a line of its own."},
-    )
-    attention: str = field(
-        default="auto",
-        metadata={"help": "Attention backend of the log-prob passes: auto (flex on CUDA, sdpa else), sdpa, flex, "
-                          "segmented, varlen (CUDA). Generation keeps the model's stock attention path."},
-    )
+    # on by default here (off for DPO/reward, where a batch counts lines): TRL's batch counts completions either way
+    packing: bool = field(default=True, metadata={"help": PACKING_HELP})
     shared_prompt_generation: bool = field(
         default=True,
         metadata={"help": "transformers generate (use_vllm false): prefill each unique prompt once, then decode with "

@@ -1,6 +1,6 @@
 """The rollout half of a TRL group step, prefix-shared: generation (`generation.py`) and reward-model scoring
 (`reward_models.py`), as mix-ins over TRL 1.16's `GRPOTrainer` / `RLOOTrainer` (before the TRL class; they read the
-options through `PrefixSharedLogps._option`).
+options through `PrefixSharedLogps.group_settings`).
 
 Each replaces one call inside TRL's own method for the duration of that method, so TRL's code around it (tokenizing,
 padding, unwrap and gather contexts, EOS masks, reward weighting, NaN handling, gathering across ranks) runs
@@ -36,11 +36,11 @@ class SharedPromptGeneration:
         self._generation_fallbacks: set[str] = set()
         self._generation_route = SharedPromptRoute(self._note_generation_fallback)
         self._prefill_counts = {mode: PrefillCount() for mode in ("train", "eval")}
-        if self._option("shared_prompt_generation") and getattr(self, "use_vllm", False):
+        if self.group_settings.shared_prompt_generation and getattr(self, "use_vllm", False):
             _say_vllm_prefix_caching(self)
 
     def _generate_single_turn(self, *args, **kwargs):
-        if (not self._option("shared_prompt_generation") or getattr(self, "use_vllm", False)
+        if (not self.group_settings.shared_prompt_generation or getattr(self, "use_vllm", False)
                 or getattr(self, "use_transformers_continuous_batching", False)):
             return super()._generate_single_turn(*args, **kwargs)
         # the object TRL's `unwrap_model_for_generation` yields and calls `generate` on
@@ -62,7 +62,7 @@ class SharedPromptGeneration:
         # Every rank logs at the same steps: a safe point to sum the counts.
         mode = "train" if self.model.training else "eval"
         count = self._prefill_counts[mode]
-        if self._option("shared_prompt_generation"):
+        if self.group_settings.shared_prompt_generation:
             trl, ran = self.accelerator.reduce(torch.tensor(
                 [count.trl_tokens, count.ran_tokens], dtype=torch.float64, device=self.accelerator.device),
                 reduction="sum").tolist()
@@ -95,9 +95,10 @@ class SharedPromptScoring:
         """After TRL's `__init__`: the reward models that can be scored shared run prefixdpo's attention."""
         self._scoring_fallbacks: set[str] = set()
         self._shared_reward_models: list[int] = []
-        if not self._option("shared_prompt_scoring"):
+        if not self.group_settings.shared_prompt_scoring:
             return
-        self._scoring_backend = resolve_backend(self._option("attention"), self.accelerator.device, needs_grad=False)
+        self._scoring_backend = resolve_backend(self.group_settings.attention, self.accelerator.device,
+                                                needs_grad=False)
         for i, func in enumerate(self.reward_funcs):
             if not isinstance(func, torch.nn.Module):
                 continue
@@ -115,8 +116,8 @@ class SharedPromptScoring:
         groups = prompt_groups(prompts)
         saved = self.reward_funcs
         self.reward_funcs = [
-            SharedPrefixScorer(func, groups, backend=self._scoring_backend, packing=self._option("packing"),
-                               pack_length=self._option("pack_length"), fallback=self._note_scoring_fallback)
+            SharedPrefixScorer(func, groups, backend=self._scoring_backend, packing=self.group_settings.packing,
+                               pack_length=self.group_settings.pack_length, fallback=self._note_scoring_fallback)
             if i in self._shared_reward_models else func for i, func in enumerate(saved)]
         try:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -41,6 +41,8 @@ TRL's buffered completions are not: resumed inside a cycle, it generates the res
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from trl import GRPOTrainer, RLOOTrainer
@@ -51,43 +53,46 @@ from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.data.lines import padded
 from prefixdpo.errors import ConfigError
-from prefixdpo.grpo.config import GroupLayoutOptions
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
 from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.nonfinite import check_engine_support
-from prefixdpo.training.options import RunSafetyOptions, resolve_tokens_per_pass
+from prefixdpo.training.options import resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
 from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
 from prefixdpo.grpo.prompt_fit import check_prompts_fit
+from prefixdpo.grpo.settings import GroupSettings, LayoutKey
 
 logger = logging.getLogger(__name__)
 
-# for a plain TRL config: its options are ours at their defaults
-_OPTION_DEFAULTS = GroupLayoutOptions()
-_SAFETY_DEFAULTS = RunSafetyOptions()
+@dataclass(frozen=True)
+class CachedLayout:
+    """The lines of the last pass over some rows (`PrefixSharedLogps._lines`): its key, its rows [N, L], its lines."""
 
+    key: LayoutKey
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    lines: GroupLines
 
-def _fill_safety_defaults(args) -> None:
-    """A plain TRL config lacks `RunSafetyOptions`: set them on it at their defaults (not fields of it, so they
-    stay out of its `to_dict` and of the run's fingerprint)."""
-    for name in ("nonfinite", "nonfinite_max_consecutive", "overwrite_output_dir"):
-        if not hasattr(args, name):
-            setattr(args, name, getattr(_SAFETY_DEFAULTS, name))
+    def serves(self, key: LayoutKey, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+        return key == self.key and _same(self.input_ids, input_ids) and _same(self.attention_mask, attention_mask)
 
 
 class PrefixSharedLogps:
     """The log-prob passes of a TRL group trainer on prefix-shared rows (mixed in before the TRL class)."""
 
-    def _option(self, name: str):
-        return getattr(self.args, name, getattr(_OPTION_DEFAULTS, name))
+    @cached_property
+    def group_settings(self) -> GroupSettings:
+        """prefixdpo's options of this trainer, read once from its config (`grpo.settings`)."""
+        return GroupSettings.from_config(self.args)
 
-    def _cast_head_to_fp32(self) -> bool:
-        """Whether TRL's fused head runs in fp32 (GRPO's `cast_lm_head_to_fp32`; RLOO has no such option)."""
-        return bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+    def change_settings(self, **changes) -> None:
+        """Run the passes from now on with these `GroupSettings` fields changed (verification and benchmarks
+        compare layouts on one trainer); the config is left as it is."""
+        self.group_settings = replace(self.group_settings, **changes)
 
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
@@ -95,17 +100,18 @@ class PrefixSharedLogps:
         # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
         self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
         self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
-        size = getattr(self.args, "sequence_parallel_size", 1)  # a plain TRL config has no such option: 1
+        settings = self.group_settings
+        size = settings.sequence_parallel_size
         if size > 1:
             sequence_parallel.check_model(self.model, size)
         self._sequence_parallel = sequence_parallel.new_sequence_parallel(size)
-        if not self._option("prefix_sharing"):
+        if not settings.prefix_sharing:
             return
-        backend = resolve_backend(self._option("attention"), self.args.device, needs_grad=True)
+        backend = resolve_backend(settings.attention, self.args.device, needs_grad=True)
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)
-        if getattr(self.args, "prefix_reuse", False):  # a plain TRL config has no such option: off
+        if settings.prefix_reuse:
             self._tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 
     # ---- the pass -------------------------------------------------------------------------------
@@ -115,7 +121,7 @@ class PrefixSharedLogps:
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's per-token log-probs [N, logits_to_keep] (and entropies, and the MoE aux loss, when asked) of the
         rows ``input_ids`` / ``attention_mask`` [N, L], computed on prefix-shared lines (see the module doc)."""
-        if not self._option("prefix_sharing"):
+        if not self.group_settings.prefix_sharing:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
@@ -136,14 +142,15 @@ class PrefixSharedLogps:
         """TRL's (log-probs [N, K], entropies or None, aux loss or None) of rows [N, L] on prefix-shared lines; with
         `sp`, every rank of its group runs these rows, each 1/N of every line's columns. count: add the lines to the
         sharing metrics (under sequence parallelism only the rank whose rows they are does); slot: `_lines`'."""
-        backend = resolve_backend(self._option("attention"), input_ids.device, needs_grad=torch.is_grad_enabled())
+        backend = resolve_backend(self.group_settings.attention, input_ids.device,
+                                  needs_grad=torch.is_grad_enabled())
         lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend, sp, slot)
         N, L = input_ids.shape
         rows_per_forward = batch_size or N
         # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
         aux_rows = ([torch.arange(s, min(s + rows_per_forward, N), device=input_ids.device)
                      for s in range(0, N, rows_per_forward)] if compute_aux_loss else None)
-        settings = trl_head_settings(model, self.temperature, self._cast_head_to_fp32())
+        settings = trl_head_settings(model, self.temperature, self.group_settings.cast_lm_head_to_fp32)
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
                                  compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
@@ -196,25 +203,23 @@ class PrefixSharedLogps:
         content, so one layout and one set of masks serve them all (as the DPO step shares its mask). slot: whose
         rows (under sequence parallelism each member's rows keep their own layout, `_group_passes`)."""
         model_type = getattr(text_config(base_model(model)), "model_type", "")
-        settings = (int(logits_to_keep), model_type in MASK_POSITION_MODEL_TYPES, self._option("packing"),
-                    str(self._option("pack_length")), backend in ("flex", "varlen"), self._tokens_per_pass,
-                    1 if sp is None else sp.size)
-        layouts = self.__dict__.setdefault("_layouts", {})
+        options = self.group_settings
+        key = LayoutKey(logits_to_keep=int(logits_to_keep),
+                        positions_from_mask=model_type in MASK_POSITION_MODEL_TYPES, packing=options.packing,
+                        pack_length=str(options.pack_length), bucketed=backend in ("flex", "varlen"),
+                        tokens_per_pass=self._tokens_per_pass, shards=1 if sp is None else sp.size)
+        layouts: dict[int, CachedLayout] = self.__dict__.setdefault("_layouts", {})
         cached = layouts.get(slot)
-        if (cached is not None and cached[0] == settings and _same(cached[1], input_ids)
-                and _same(cached[2], attention_mask)):
+        if cached is not None and cached.serves(key, input_ids, attention_mask):
             self._last_layout = cached
-            return cached[3]
+            return cached.lines
         lines = layout_groups(
-            input_ids, attention_mask, logits_to_keep, positions_from_mask=settings[1], packing=settings[2],
-            pack_length=self._option("pack_length"),
-            bucket=settings[4],  # compiled kernels: a few line lengths, multiples of 128
-            alone_above=self._tokens_per_pass,  # prefix reuse: a longer group gets a line of its own
-        )
+            input_ids, attention_mask, key.logits_to_keep, positions_from_mask=key.positions_from_mask,
+            packing=key.packing, pack_length=options.pack_length, bucket=key.bucketed, alone_above=key.tokens_per_pass)
         if sp is not None:  # each rank of the group holds an equal share of every line's columns
-            lines = padded(lines, sp.size)
-        self._last_layout = layouts[slot] = (settings, input_ids.detach().clone(), attention_mask.detach().clone(),
-                                             lines)
+            lines = padded(lines, key.shards)
+        self._last_layout = layouts[slot] = CachedLayout(key, input_ids.detach().clone(),
+                                                         attention_mask.detach().clone(), lines)
         return lines
 
     def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
@@ -247,7 +252,7 @@ class PrefixSharedLogps:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every rank logs at the same steps (TRL's own metrics gather here too): a safe point to sum the counts.
-        if self._option("prefix_sharing"):
+        if self.group_settings.prefix_sharing:
             mode = "train" if self.model.training else "eval"
             ours, trl, slots = self.accelerator.reduce(
                 self._sharing_counts[mode].to(self.accelerator.device), reduction="sum").tolist()
@@ -268,8 +273,7 @@ class PrefixSharedLogps:
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         apply_engine_settings(self)  # a requested FSDP applied (accelerate drops it on CPU); prefix reuse refused on it
-        _fill_safety_defaults(self.args)
-        check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+        check_engine_support(self, self.group_settings.safety.nonfinite)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
     def _checkpoint_state(self) -> dict:
         # TRL's micro-step counter, which places a step in its generation cycle (`_prepare_inputs`)

@@ -194,13 +194,13 @@ def build_verify_trainer(model, tokenizer, backend: str, output_dir: str, *, max
 
 @contextlib.contextmanager
 def pass_layout(trainer, *, packing: bool):
-    """The trainer's passes with `packing` on or off for the duration (its args are restored after)."""
-    previous = trainer.args.packing
-    trainer.args.packing = packing
+    """The trainer's passes with `packing` on or off for the duration (its settings are restored after)."""
+    previous = trainer.group_settings.packing
+    trainer.change_settings(packing=packing)
     try:
         yield trainer
     finally:
-        trainer.args.packing = previous
+        trainer.change_settings(packing=previous)
 
 
 def _values_and_grads(run_pass, model, weights: torch.Tensor):

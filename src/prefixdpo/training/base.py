@@ -143,7 +143,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         apply_engine_settings(self, self._whole_weight_options())  # a requested FSDP applied (also on CPU), or refused
-        check_engine_support(self)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+        check_engine_support(self, self.args.nonfinite)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
 
     def _whole_weight_options(self) -> tuple[str, ...]:
         """The method's options, set in this run, that read every weight whole (refused under ZeRO-3)."""

@@ -98,16 +98,16 @@ def uses_loss_scaling(trainer) -> bool:
     return getattr(trainer.accelerator, "scaler", None) is not None
 
 
-def check_engine_support(trainer) -> None:
-    """When the trainer is built: refuse (one line) an engine under which the policy cannot hold."""
-    args = trainer.args
+def check_engine_support(trainer, policy: str) -> None:
+    """When the trainer is built: refuse (one line) an engine under which `policy` (the run's `nonfinite`) cannot
+    hold."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if plugin is not None:
-        gap = deepspeed_gap(plugin.deepspeed_config, args)
+        gap = deepspeed_gap(plugin.deepspeed_config, trainer.args)
         if gap is not None:
-            raise ConfigError(f"nonfinite={args.nonfinite}: {gap}; use ZeRO stage 1-3 with DeepSpeed's overflow "
+            raise ConfigError(f"nonfinite={policy}: {gap}; use ZeRO stage 1-3 with DeepSpeed's overflow "
                               "check on (its default), or DDP/FSDP")
-    if args.nonfinite == "skip" and uses_loss_scaling(trainer):
+    if policy == "skip" and uses_loss_scaling(trainer):
         raise ConfigError("nonfinite=skip with fp16: fp16's loss scaler already skips steps whose gradients "
                           "overflow; use nonfinite=stop (stops on a non-finite loss), or bf16/fp32 with skip")
 

@@ -18,7 +18,8 @@ ATTENTION_HELP = ("Attention backend: auto (flex on CUDA, sdpa else), sdpa, flex
                   "blocks only; faster on CPU for long packed lines), varlen (FlashAttention varlen over allowed "
                   "blocks; CUDA, bf16/fp16). The kernel of prefixdpo's registered attention, which every training "
                   "and evaluation pass uses whatever the model's attn_implementation (that one only says how the "
-                  "model is loaded).")
+                  "model is loaded). GRPO/RLOO: the backend of the log-prob passes; generation keeps the model's "
+                  "stock attention path.")
 
 GROUP_BY_PROMPT_HELP = (
     "Records whose prompts are the same tokens become one row: the prompt once, then every response they name "
@@ -42,17 +43,33 @@ PREFIX_TREE_HELP = (
     "`prefixdpo inspect` shows what it saves.")
 
 
-@dataclass
-class PrefixSharingOptions:
-    """How examples become lines: one prefix-shared row per example, packed or not, and the attention backend."""
+PREFIX_SHARING_HELP = (
+    "Run each prompt once with all its responses (GRPO/RLOO: its completions) as branches after it in one row, each "
+    "branch attending to the prompt and itself only (off: the standard padded rows, TRL's own passes).")
+PACKING_HELP = ("Pack several prefix-shared rows into one line, each attending only to itself (DPO and reward: "
+                "per_device_train_batch_size then counts lines).")
+PACK_LENGTH_HELP = ("Packed line length: 'auto' (1.1 x the 95th percentile of the rows' lengths, rounded up to 128, "
+                    "never below the longest row) or an int.")
 
-    prefix_sharing: bool = field(default=True, metadata={"help": "Prompt once + all responses in one row."})
-    packing: bool = field(
-        default=False, metadata={"help": "Pack several rows per line (per_device_train_batch_size = lines)."})
-    pack_length: str = field(default="auto", metadata={"help": "Packed line length: 'auto' or an int."})
+
+@dataclass
+class SharedLineOptions:
+    """What every prefix-shared trainer lays out the same way: sharing on or off, packing, the line length and the
+    attention backend (DPO and reward: `PrefixSharingOptions`; GRPO/RLOO: `grpo.config.GroupLayoutOptions`)."""
+
+    prefix_sharing: bool = field(default=True, metadata={"help": PREFIX_SHARING_HELP})
+    packing: bool = field(default=False, metadata={"help": PACKING_HELP})
+    pack_length: str = field(default="auto", metadata={"help": PACK_LENGTH_HELP})
+    attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
+
+
+@dataclass
+class PrefixSharingOptions(SharedLineOptions):
+    """How examples become lines: one prefix-shared row per example, packed or not, the attention backend, and
+    the sharing across records (`group_by_prompt`, `prefix_tree`)."""
+
     group_by_prompt: bool = field(default=False, metadata={"help": GROUP_BY_PROMPT_HELP})
     prefix_tree: bool = field(default=False, metadata={"help": PREFIX_TREE_HELP})
-    attention: str = field(default="auto", metadata={"help": ATTENTION_HELP})
 
 
 PREFIX_REUSE_HELP = (
@@ -174,6 +191,12 @@ class RunSafetyOptions:
     )
     nonfinite: str = field(default="stop", metadata={"help": NONFINITE_HELP, "choices": list(POLICIES)})
     nonfinite_max_consecutive: int = field(default=10, metadata={"help": NONFINITE_MAX_CONSECUTIVE_HELP})
+
+
+def run_safety(args) -> RunSafetyOptions:
+    """The run-safety options of a trainer's config: its own, or their defaults for a config without them (a plain
+    TRL config handed to a prefixdpo trainer), read without writing anything onto the user's config."""
+    return RunSafetyOptions(**{f.name: getattr(args, f.name, f.default) for f in fields(RunSafetyOptions)})
 
 
 IGNORE_BIAS_BUFFERS_HELP = (

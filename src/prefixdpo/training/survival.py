@@ -12,8 +12,8 @@
   which stops or skips a step that is not finite on some rank before it is applied;
 - exports: a whole, stock-loadable model, staged and moved into place file by file, with the run file last.
 
-What a trainer provides: `args.nonfinite`, `args.nonfinite_max_consecutive`, `args.overwrite_output_dir`
-(`options.RunSafetyOptions`), a call to `_init_survival()` after `Trainer.__init__`, and `_fingerprint_data()`
+What a trainer provides: `args` with `options.RunSafetyOptions`' fields (`nonfinite`, `nonfinite_max_consecutive`,
+`overwrite_output_dir`; a config without them runs at their defaults, `options.run_safety`), a call to `_init_survival()` after `Trainer.__init__`, and `_fingerprint_data()`
 (a digest of its training data: Examples for the preference trainers, prompt rows for GRPO/RLOO). Optionally its
 own per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
 """
@@ -37,6 +37,7 @@ from prefixdpo.core.rank_decisions import any_rank, from_rank0
 from prefixdpo.training import checkpoints
 from prefixdpo.training.callbacks import PreemptionSignals
 from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
+from prefixdpo.training.options import run_safety
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class SurvivingRun:
 
     def _init_survival(self) -> None:
         """After `Trainer.__init__`: the guard, the run's (not yet known) fingerprint, the signal handling."""
-        self.nonfinite = NonFiniteGuard(self.args.nonfinite, self.args.nonfinite_max_consecutive)
+        safety = run_safety(self.args)
+        self.nonfinite = NonFiniteGuard(safety.nonfinite, safety.nonfinite_max_consecutive)
         self.run_fingerprint: dict | None = None  # set by `train` (`checkpoints.run_fingerprint`)
         self.preempted_at: int | None = None  # the optimizer step after which a preemption signal stopped the run
         self.interrupted = False  # ... and whether that signal was a Ctrl-C
@@ -191,7 +193,7 @@ class SurvivingRun:
             checkpoints.remove_leftovers(output_dir)
             other = checkpoints.other_run_in(output_dir, fingerprint)
             notes = []
-            if other and not self.args.overwrite_output_dir:
+            if other and not run_safety(self.args).overwrite_output_dir:
                 raise UserError(f"output_dir {output_dir} holds another run ({other}): choose another --output_dir, "
                                 "or pass --overwrite_output_dir true to replace its checkpoints")
             if other:

@@ -271,11 +271,10 @@ class GroupTrainingStep:
         """The trainer's passes laid out as `mode` says (its options restored after)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        args = self.trainer.args
-        saved = (args.prefix_sharing, args.packing, args.pack_length)
-        args.prefix_sharing, args.packing = mode != "trl", mode == "shared-packed"
-        if self.line_per_step:
-            args.pack_length = ONE_LINE
+        trainer = self.trainer
+        saved = trainer.group_settings
+        trainer.change_settings(prefix_sharing=mode != "trl", packing=mode == "shared-packed",
+                                pack_length=ONE_LINE if self.line_per_step else saved.pack_length)
         models = [m for m in (self.trainer.model, self.trainer.ref_model) if m is not None]
         try:
             with contextlib.ExitStack() as stack:
@@ -284,7 +283,7 @@ class GroupTrainingStep:
                         stack.enter_context(stock_attention(m))
                 yield
         finally:
-            args.prefix_sharing, args.packing, args.pack_length = saved
+            trainer.group_settings = saved
 
     def run(self, rollout: Rollout, mode: str) -> float:
         """One step; returns the mean completion-token entropy TRL's loss logged in its first iteration (a
@@ -370,7 +369,7 @@ def run_profile(profile: GroupProfile, rollouts: list[Rollout], step: GroupTrain
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = torch.device(device)
     batches = [r.to(dev) for r in rollouts]
-    bucket = step.trainer.args.attention in ("flex", "varlen")
+    bucket = step.trainer.group_settings.attention in ("flex", "varlen")
     seconds = {m: [0.0] * repeats for m in MODES}
     entropies: dict[str, list[float]] = {m: [] for m in MODES}
     peak = dict.fromkeys(MODES, 0)
@@ -394,7 +393,7 @@ def run_profile(profile: GroupProfile, rollouts: list[Rollout], step: GroupTrain
     completions = sum(r.num_rows for r in rollouts)
     modes = {}
     for mode in MODES:
-        pack_length = ONE_LINE if step.line_per_step else step.trainer.args.pack_length
+        pack_length = ONE_LINE if step.line_per_step else step.trainer.group_settings.pack_length
         stats = [layout_stats(r, mode, bucket=bucket, pack_length=pack_length) for r in rollouts]
         modes[mode] = GroupModeResult(
             mode=mode, completions_per_s=Spread.of([completions / s for s in seconds[mode]]), seconds=seconds[mode],

@@ -82,7 +82,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
                 results.append(CheckResult("grpo bench", name, "skipped", "time budget spent"))
                 continue
             try:
-                trainer.args.attention = backend
+                trainer.change_settings(attention=backend)
                 t0 = time.monotonic()
                 r = run_profile(scaled, work, step, shape, device=device, repeats=repeats, warmup=warmup)
                 nums = {"speedups": {k: v.median for k, v in r.speedups.items()}, "ideal": r.ideal.vs_trl_rows,
@@ -102,7 +102,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
         r, work, backend = first
         name = f"whole step {r.name}"
         try:
-            trainer.args.attention = backend
+            trainer.change_settings(attention=backend)
             reward_model, _ = build_reward_model(shape, device=device, dtype=dtype, backend=backend)
             w = time_whole_step(trainer, reward_model, r, work, shape, device=device, backend=backend,
                                 repeats=repeats, warmup=warmup, pad_id=int(reward_model.config.pad_token_id))
