@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixdpo.data.validation import BAD_JSON, NOT_UTF8, InvalidRecordError
+from prefixdpo.data.record_lines import (
+    DEFAULT_MAX_RECORD_BYTES, OversizedLine, bounded_lines, first_byte, too_big_problem,
+)
+from prefixdpo.data.validation import BAD_JSON, NOT_UTF8, TOO_BIG, InvalidRecordError
 from prefixdpo.errors import ConfigError, UserError
 
 class DatasetNotFoundError(UserError, FileNotFoundError):
@@ -65,40 +69,78 @@ def read_tab_groups(path: str, what: str = "responses") -> list[tuple[str, list[
     return groups
 
 
-def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "") -> list:
+def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "",
+                      max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list:
     """Records of a JSON Lines file (or a JSON file holding one list). A line that is not valid UTF-8 or not
-    valid JSON becomes an `InvalidRecordError` in its place, so record numbering never shifts.
+    valid JSON, or holds more than `max_record_bytes` bytes (0: no limit), becomes an `InvalidRecordError` in its
+    place, so record numbering never shifts; a line over the limit is never held whole (`record_lines`).
 
     first_index: the record number of this file's first record (a folder's files are numbered on).
     where: put before "line N" in a bad line's message (a folder's file name, so the message names the file).
     """
-    data = Path(path).read_bytes()
-    head = data.lstrip()[:1]
-    if head == b"[":  # one JSON array: all or nothing, as the format gives no line to blame
-        try:
-            records = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        if not isinstance(records, list):
-            raise UserError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
-        return records
+    with open(path, "rb") as fh:
+        if first_byte(fh) == b"[":  # one JSON array: read whole, as the format gives no line to cut it at
+            return _json_array(path, fh.read(), first_index, where or f"{path} ", max_record_bytes)
+        records: list = []
+        for line_no, line in bounded_lines(fh, max_record_bytes):
+            index = first_index + len(records)
+            if isinstance(line, OversizedLine):
+                problem = too_big_problem(where or f"{path} ", line_no, line, max_record_bytes)
+                records.append(InvalidRecordError(index, TOO_BIG, problem))
+                continue
+            if not line.strip():
+                continue  # blank lines are not records
+            records.append(_json_line(line, index, f"{where}line {line_no}"))
+    return records
+
+
+def _json_line(line: bytes, index: int, where: str):
+    """The record of one JSON line, or an `InvalidRecordError` for record `index` (`where`: "FILE line N")."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return InvalidRecordError(index, NOT_UTF8, f"{where} is not valid UTF-8 (byte {err.start})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return InvalidRecordError(index, BAD_JSON, f"{where} is not valid JSON ({err.msg})")
+
+
+_BLANK = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array(path, data: bytes, first_index: int, where: str, limit: int) -> list:
+    """The records of a file holding one JSON list: all or nothing for bad JSON (a one-line `UserError`), as the
+    format gives no line to blame; a record of more than `limit` bytes (0: no limit) becomes an
+    `InvalidRecordError` naming the line it starts on, as a JSON Lines record over the limit."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
+    del data
+    decoder = json.JSONDecoder()
     records: list = []
-    for line_no, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue  # blank lines are not records
-        index = first_index + len(records)
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            problem = f"{where}line {line_no} is not valid UTF-8 (byte {err.start})"
-            records.append(InvalidRecordError(index, NOT_UTF8, problem))
-            continue
-        try:
-            records.append(json.loads(text))
-        except json.JSONDecodeError as err:
-            records.append(InvalidRecordError(index, BAD_JSON, f"{where}line {line_no} is not valid JSON ({err.msg})"))
+    try:
+        pos = _BLANK.match(text, _BLANK.match(text).end() + 1).end()  # past "[" and the blanks after it
+        while not text.startswith("]", pos):
+            if records:  # a comma between records
+                if not text.startswith(",", pos):
+                    raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+                pos = _BLANK.match(text, pos + 1).end()
+            start = pos
+            value, pos = decoder.raw_decode(text, pos)
+            size = pos - start  # characters: at most the bytes, and equal for ASCII
+            if limit and size * 4 > limit:  # perhaps over: count its bytes
+                size = len(text[start:pos].encode("utf-8"))
+            if limit and size > limit:
+                problem = too_big_problem(where, text.count("\n", 0, start) + 1, size, limit)
+                value = InvalidRecordError(first_index + len(records), TOO_BIG, problem)
+            records.append(value)
+            pos = _BLANK.match(text, pos).end()
+        if _BLANK.match(text, pos + 1).end() != len(text):
+            raise json.JSONDecodeError("Extra data", text, pos + 1)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     return records
 
 
@@ -131,18 +173,18 @@ def _local_path(source: str) -> Path | None:
     return None  # not a local path: a Hub name
 
 
-def _load_path(path: Path, split: str | None):
+def _load_path(path: Path, split: str | None, max_record_bytes: int):
     import datasets
 
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return _pick_split(datasets.load_from_disk(str(path)), split, str(path))
-        return _load_folder(path, split)
+        return _load_folder(path, split, max_record_bytes)
     suffix = path.suffix.lower()
     if split not in (None, "train"):
         raise UserError(f"{path}: a single file has only the split 'train', not {split!r}")
     if suffix in (".json", ".jsonl"):
-        return read_json_records(path)
+        return read_json_records(path, max_record_bytes=max_record_bytes)
     if suffix not in _BUILDERS:
         raise UserError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
     return _read_with_builder(_BUILDERS[suffix], {"train": [str(path)]})["train"]
@@ -194,7 +236,7 @@ def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(sorted(names)[:shown]) + more
 
 
-def _load_folder(folder: Path, split: str | None):
+def _load_folder(folder: Path, split: str | None, max_record_bytes: int):
     """The records of one split of a folder of data files (module docstring)."""
     files = _folder_files(folder)
     reader = _one_reader(folder, files)
@@ -206,7 +248,7 @@ def _load_folder(folder: Path, split: str | None):
     records: list = []
     for f in files[split]:
         name = Path(f).relative_to(folder.resolve()).as_posix()
-        records += read_json_records(f, first_index=len(records), where=f"{name} ")
+        records += read_json_records(f, first_index=len(records), where=f"{name} ", max_record_bytes=max_record_bytes)
     return records
 
 
@@ -250,8 +292,12 @@ def load_records(
     split: str | None = "train",
     dataset_config: str | None = None,
     max_samples: int | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Sequence:
     """The records of one split of `source` (see module docstring), the first `max_samples` of them if set.
+
+    max_record_bytes: the most bytes of one record of a local file (0: no limit); a larger one is an
+    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`).
 
     Returns a `datasets.Dataset` or a list; either way `len()` and `[i]` give record i as a dict.
     """
@@ -262,11 +308,12 @@ def load_records(
         name = split or "train"
         if name not in source:
             raise UserError(f"no split {name!r} (available: {', '.join(source)})")
-        return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples)
+        return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples,
+                            max_record_bytes=max_record_bytes)
     if isinstance(source, (str, Path)):
         path = _local_path(str(source))
         if path is not None:
-            records = _load_path(path, split)
+            records = _load_path(path, split, max_record_bytes)
         else:
             import datasets
 

@@ -29,6 +29,7 @@ NO_PREFERENCE = "no_preference"
 BAD_JSON = "bad_json"
 UNKNOWN_FORMAT = "unknown_format"
 BOUNDARY = "boundary"
+TOO_BIG = "too_big"  # a record over --max_record_bytes, left unparsed
 
 
 class InvalidRecordError(UserError):

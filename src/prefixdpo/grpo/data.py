@@ -21,6 +21,7 @@ from prefixdpo.data.validation import (
 from prefixdpo.errors import UserError
 
 from prefixdpo.data.loading import load_records
+from prefixdpo.data.record_lines import DEFAULT_MAX_RECORD_BYTES, check_max_record_bytes
 
 
 @dataclass
@@ -63,12 +64,16 @@ def checked_prompt_record(index: int, record) -> dict:
 
 
 def load_prompts(source, *, split: str | None = "train", dataset_config: str | None = None,
-                 max_samples: int | None = None, invalid: str = "error"):
-    """(`datasets.Dataset` of the checked records, `PromptReport`) of one split of `source`."""
+                 max_samples: int | None = None, invalid: str = "error",
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+    """(`datasets.Dataset` of the checked records, `PromptReport`) of one split of `source` (max_record_bytes: the
+    most bytes of one record of a local file, 0: no limit; a larger one is a bad record, `record_lines`)."""
     from datasets import Dataset
 
     check_policy(invalid)
-    records = load_records(source, split=split, dataset_config=dataset_config, max_samples=max_samples)
+    check_max_record_bytes(max_record_bytes)
+    records = load_records(source, split=split, dataset_config=dataset_config, max_samples=max_samples,
+                           max_record_bytes=max_record_bytes)
     report = PromptReport(loaded=len(records))
     kept = []
     for index in range(len(records)):
