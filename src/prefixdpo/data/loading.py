@@ -6,7 +6,8 @@ i-th row of the split, so every later message can name it.
 - `.json` / `.jsonl` files are read with Python's `json`, one record per line (or a top-level list), not
   through Arrow: Arrow would coerce types across records, turn a missing field into None and fail the whole
   file on one bad line. Here a bad line becomes an `InvalidRecordError` for that record index (bad JSON,
-  invalid UTF-8), which the error/skip policy then handles.
+  invalid UTF-8, more than `max_record_bytes`), which the error/skip policy then handles. JSON Lines are read
+  line by line in bounded memory (`record_lines`): a line over the limit is never held whole.
 - `.parquet` / `.csv` / `.arrow` files: `datasets.load_dataset(<builder>, data_files=...)`; a file it cannot
   read is a `UserError` naming the file and the reader's reason (a CSV row with extra fields names its line).
 - A folder of data files, split by file name as `datasets.load_dataset(folder)` splits it (`train*.jsonl`,
@@ -14,7 +15,9 @@ i-th row of the split, so every later message can name it.
   `datasets` reads a folder with one builder: a folder of `a.jsonl` and `b.csv` would be read as JSON with
   the CSV silently left out, so it is refused, naming every type and its files. Why refuse rather than read
   both: `datasets` has no cross-type folder, CSV columns cannot hold conversations, and record numbers over
-  mixed readers would name nothing a user can find. JSON(L) folders are read by the same reader as a JSON(L)
+  mixed readers would name nothing a user can find. Every file of the folder is read in a split, or the folder
+  is refused naming the ones left out (`folder`: `train.jsonl` + `more.jsonl` would read only `train.jsonl`),
+  except files that are clearly no data (hidden ones, README*, LICENSE*). JSON(L) folders are read by the same reader as a JSON(L)
   file, the files of a split one after another (record numbers run on across them), and a bad line names its
   file and line (`record 19: a.jsonl line 20 is not valid JSON`).
 - A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`: `datasets.load_from_disk`.
@@ -33,6 +36,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from prefixdpo.data.folder import BUILDERS, EXPECTED, data_files
 from prefixdpo.data.record_lines import (
     DEFAULT_MAX_RECORD_BYTES, OversizedLine, bounded_lines, first_byte, too_big_problem,
 )
@@ -50,7 +54,6 @@ STREAMING_REFUSED = (
     "split, and a streamed one is not read whole behind your back: load it without streaming (datasets caches "
     "it on disk)")
 
-_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
 
 
@@ -168,7 +171,7 @@ def _local_path(source: str) -> Path | None:
     path = Path(source).expanduser()
     if path.exists():
         return path
-    if source.startswith(_LOCAL_HINTS) or Path(source).suffix.lower() in _BUILDERS:
+    if source.startswith(_LOCAL_HINTS) or Path(source).suffix.lower() in BUILDERS:
         raise DatasetNotFoundError(f"no such file or directory: {source}")
     return None  # not a local path: a Hub name
 
@@ -185,61 +188,14 @@ def _load_path(path: Path, split: str | None, max_record_bytes: int):
         raise UserError(f"{path}: a single file has only the split 'train', not {split!r}")
     if suffix in (".json", ".jsonl"):
         return read_json_records(path, max_record_bytes=max_record_bytes)
-    if suffix not in _BUILDERS:
-        raise UserError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
-    return _read_with_builder(_BUILDERS[suffix], {"train": [str(path)]})["train"]
-
-
-def _folder_files(folder: Path) -> dict[str, list[str]]:
-    """{split: data files} of a folder, by `datasets`' own rules (file names that say a split; hidden files,
-    the README and files of no data type left out), in the order `datasets.load_dataset(folder)` reads them."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
-    from datasets.load import _ALL_ALLOWED_EXTENSIONS  # the extensions load_dataset(folder) looks at
-
-    base = folder.expanduser().resolve().as_posix()
-    try:
-        files = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base,
-                                            allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
-    except FileNotFoundError:  # datasets' EmptyDatasetError: no data file at all
-        files = {}
-    return {str(name): [str(f) for f in found] for name, found in files.items() if found}
-
-
-def _reader(path: str) -> str:
-    """The `datasets` builder that reads `path` ("json", "csv", "parquet", "arrow"), else its extension."""
-    suffix = Path(path).suffix.lower()
-    return _BUILDERS.get(suffix, suffix)
-
-
-def _one_reader(folder: Path, files: dict[str, list[str]]) -> str:
-    """The one reader of the folder's data files; a `UserError` naming every type and its files when they
-    need several, or one prefixdpo does not read (.txt, .tsv, images, ...)."""
-    by_reader: dict[str, list[str]] = {}
-    for found in files.values():
-        for f in found:
-            by_reader.setdefault(_reader(f), []).append(Path(f).relative_to(folder.resolve()).as_posix())
-    if not by_reader:
-        raise UserError(f"{folder}: no data files in this folder (expected .jsonl, .json, .parquet, .csv or .arrow)")
-    listing = "; ".join(f"{kind}: {_some(names)}" for kind, names in sorted(by_reader.items()))
-    if len(by_reader) > 1:
-        raise UserError(f"{folder}: holds data files of {len(by_reader)} types ({listing}); a dataset folder is "
-                        "read with one reader, so keep one type in it or give one file as the dataset")
-    (reader,) = by_reader
-    if reader not in _BUILDERS.values():
-        raise UserError(f"{folder}: its data files ({listing}) are not a type prefixdpo reads "
-                        "(expected .jsonl, .json, .parquet, .csv or .arrow)")
-    return reader
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(sorted(names)[:shown]) + more
+    if suffix not in BUILDERS:
+        raise UserError(f"{path}: unknown file type {suffix!r} ({EXPECTED})")
+    return _read_with_builder(BUILDERS[suffix], {"train": [str(path)]})["train"]
 
 
 def _load_folder(folder: Path, split: str | None, max_record_bytes: int):
     """The records of one split of a folder of data files (module docstring)."""
-    files = _folder_files(folder)
-    reader = _one_reader(folder, files)
+    files, reader = data_files(folder)
     split = split or "train"
     if split not in files:
         raise UserError(f"{folder}: no split {split!r} (available: {', '.join(files)})")
