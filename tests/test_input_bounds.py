@@ -46,7 +46,10 @@ def model(tmp_path_factory) -> str:
 
     from grpo_common import saved_tiny_model, tokenizer
 
+    import datasets
+
     hf_logging.disable_progress_bar()  # stderr must hold exactly what the command writes
+    datasets.disable_progress_bars()
     folder = saved_tiny_model(tmp_path_factory.mktemp("model") / "m")
     tokenizer().save_pretrained(folder)
     return folder
@@ -105,6 +108,18 @@ def test_a_json_list_record_over_the_limit_names_the_line_it_starts_on(tmp_path,
     size = len(json.dumps(records[1], indent=1).replace("\n", "\n "))  # its text inside the list, indented
     msg = refused(capsys, ["inspect", str(data), "--tokenizer", model, "--max-record-bytes", "200"])
     assert msg == f"record 1: {data} line 7 holds {size} bytes, more than --max_record_bytes 200 {ADVICE}"
+
+
+def test_a_csv_row_over_the_limit_is_refused_by_its_text_before_tokenizing(tmp_path, model, capsys):
+    """CSV, Parquet and Arrow rows are read by datasets: measured by their text (keys and values) before the
+    tokenizer sees them."""
+    data = tmp_path / "prefs.csv"
+    data.write_text("prompt,chosen,rejected\nhi,yes,no\n" + "w" * 300 + ",yes,no\nhello,yes,no\n")
+    size = len("prompt" + "w" * 300 + "chosen" + "yes" + "rejected" + "no")
+    msg = refused(capsys, ["inspect", str(data), "--tokenizer", model, "--max-record-bytes", "200"])
+    assert msg == f"record 1: holds {size} bytes of text, more than --max_record_bytes 200 {ADVICE}"
+    out = inspected(capsys, [str(data), "--tokenizer", model, "--max-record-bytes", "200", "--invalid", "skip"])
+    assert "Loaded 3 records, kept 2 examples (2 standard). Skipped 1 invalid (too_big: 1; e.g. record 1" in out
 
 
 @pytest.mark.parametrize("command", ["grpo", "rloo"])

@@ -18,7 +18,7 @@ from prefixdpo.data.loading import load_records
 from prefixdpo.data.record_lines import DEFAULT_MAX_RECORD_BYTES, check_max_record_bytes
 from prefixdpo.data.tokenize import tokenize_records
 from prefixdpo.data.truncate import OVERLONG_POLICIES, TRUNCATION_MODES, truncate_row
-from prefixdpo.data.validation import InvalidRecordError, SkipLog, check_policy, handle
+from prefixdpo.data.validation import InvalidRecordError, SkipLog, check_policy, check_record_size, handle
 from prefixdpo.errors import ConfigError
 
 _CHUNK = 1024  # records tokenized per batch call
@@ -145,7 +145,9 @@ def examples_from_records(records, tokenizer, options: DataOptions) -> tuple[lis
         parsed = []
         for index in range(start, min(start + _CHUNK, len(records))):
             try:
-                parsed.append(parse_record(index, records[index], options.pairs_policy))
+                record = records[index]
+                check_record_size(index, record, options.max_record_bytes)
+                parsed.append(parse_record(index, record, options.pairs_policy))
             except InvalidRecordError as err:
                 handle(err, options.invalid, skips)
         for record, tok in zip(parsed, tokenize_records(parsed, tokenizer, add_eos=options.add_eos)):

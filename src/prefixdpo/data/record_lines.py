@@ -19,7 +19,8 @@ MAX_RECORD_BYTES_HELP = (
     "The most bytes one record of a JSON Lines / JSON file may hold (its line, without the line ending); a larger "
     "one is refused naming its file, line and size, or skipped and counted with --invalid skip, before it is "
     "parsed, so reading a JSON Lines file takes bounded memory whatever one line holds (a JSON list is read "
-    "whole; CSV, Parquet and Arrow files are read by datasets into its on-disk cache). 0: no limit.")
+    "whole). A record of any other source (CSV, Parquet, Arrow, a Hub dataset) is measured by its text before it "
+    "is tokenized. 0: no limit.")
 
 _CHUNK = 1 << 20  # the rest of an over-long line is read through in pieces of this size
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from prefixdpo.data.validation import (
 
-    EMPTY_PROMPT, MISSING_FIELD, WRONG_TYPE, InvalidRecordError, SkipLog, check_messages, check_policy, check_text, handle, is_blank,
+    EMPTY_PROMPT, MISSING_FIELD, WRONG_TYPE, InvalidRecordError, SkipLog, check_messages, check_policy,
+    check_record_size, check_text, handle, is_blank,
 
 )
 
@@ -78,7 +79,9 @@ def load_prompts(source, *, split: str | None = "train", dataset_config: str | N
     kept = []
     for index in range(len(records)):
         try:
-            kept.append(checked_prompt_record(index, records[index]))
+            record = records[index]
+            check_record_size(index, record, max_record_bytes)
+            kept.append(checked_prompt_record(index, record))
             report.kept_indices.append(index)
         except InvalidRecordError as err:
             handle(err, invalid, report.skipped)
