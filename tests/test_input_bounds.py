@@ -193,6 +193,15 @@ def test_a_file_whose_name_says_no_split_beside_one_that_does_is_refused_naming_
                    "once another's does: rename it (e.g. train-NAME) or move it out of the folder")
 
 
+def test_a_file_datasets_never_reads_by_its_name_is_refused_naming_it(tmp_path, model, capsys):
+    folder = tmp_path / "data"
+    write_records(folder / "a.jsonl")
+    write_records(folder / "config.json", n=2)
+    msg = refused(capsys, ["inspect", str(folder), "--tokenizer", model])
+    assert msg == (f"{folder}: config.json would not be read: datasets never reads a file of that name in a dataset "
+                   "folder, so rename it or move it out of the folder")
+
+
 def test_a_folder_reads_every_data_file_and_leaves_readme_license_and_hidden_files(tmp_path, model, capsys):
     folder = tmp_path / "data"
     write_records(folder / "a.jsonl", n=3)

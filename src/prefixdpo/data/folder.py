@@ -4,7 +4,7 @@
 file name (`train*`, `test*`, `validation*`, `data/train-00000-of-00001.parquet`, ...; everything in `train`
 when no name says a split). Two rules of its leave files out without a word: files of another type than the
 reader's, and, once one file's name says a split, every file whose name says none (`train.jsonl` + `more.csv`:
-only `train.jsonl` is read). So `data_files` lists the files each split reads, and refuses in one line any
+only `train.jsonl` is read); it also never reads a few names (`config.json`, `dummy_data.zip`). So `data_files` lists the files each split reads, and refuses in one line any
 folder holding a file that no split would read, naming it and why, unless the file is clearly not data:
 
 - hidden files and folders (`.gitattributes`, `.git/`, `.cache/`) and `__special__` folders, which `datasets`
@@ -15,6 +15,7 @@ folder holding a file that no split would read, naming it and why, unless the fi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefixdpo.errors import UserError
@@ -45,13 +46,17 @@ def data_files(folder: Path) -> tuple[dict[str, list[str]], str]:
     """({split: files, in the order `datasets` reads them}, their reader) of a folder of data files: every file of
     the folder that is data is in a split, or a one-line `UserError` names the files that would be ignored."""
     root = folder.expanduser().resolve()
-    found = sorted(p for p in root.rglob("*") if p.is_file() and not is_not_data(p.relative_to(root)))
+    found = _files(root)
     reader = _one_reader(folder, [p.relative_to(root).as_posix() for p in found])
     splits = {name: [f for f in files if not is_not_data(Path(f).relative_to(root))]
               for name, files in _datasets_splits(root).items()}
     splits = {name: files for name, files in splits.items() if files}
     read = {f for files in splits.values() for f in files}
     left_out = [p.relative_to(root).as_posix() for p in found if str(p) not in read]
+    ignored_by_name = [name for name in left_out if Path(name).name in _datasets_ignores()]
+    if ignored_by_name:
+        raise UserError(f"{folder}: {_some(ignored_by_name)} would not be read: datasets never reads a file of that "
+                        "name in a dataset folder, so rename it or move it out of the folder")
     if left_out:
         said = "; ".join(f"{name}: {_some([Path(f).relative_to(root).as_posix() for f in files])}"
                          for name, files in splits.items())
@@ -59,6 +64,23 @@ def data_files(folder: Path) -> tuple[dict[str, list[str]], str]:
                         f"name (train*, validation*, test*; here {said}), and a file whose name says no split is left "
                         "out once another's does: rename it (e.g. train-NAME) or move it out of the folder")
     return splits, reader
+
+
+def _files(root: Path) -> list[Path]:
+    """Every file under `root` that may be data, sorted; hidden and `__special__` folders are not walked."""
+    found = []
+    for here, folders, files in os.walk(root, followlinks=True):
+        folders[:] = [f for f in folders if not f.startswith((".", "__"))]
+        found += [path for path in (Path(here, f) for f in files)
+                  if path.is_file() and not is_not_data(path.relative_to(root))]
+    return sorted(found)
+
+
+def _datasets_ignores() -> set[str]:
+    """File names `datasets.load_dataset(folder)` never reads as data (config.json, dataset_info.json, ...)."""
+    from datasets.data_files import FILES_TO_IGNORE
+
+    return set(FILES_TO_IGNORE)
 
 
 def _datasets_splits(root: Path) -> dict[str, list[str]]:
