@@ -85,7 +85,8 @@ def test_a_record_over_the_default_limit_is_refused_naming_file_line_and_size(tm
     out = tmp_path / "out"
     msg = refused(capsys, ["train", "--model", model, "--dataset", str(data), "--output_dir", str(out),
                            "--max_steps", "1"], out)
-    assert msg == f"record 3: {data} line 4 holds {len(big)} bytes, more than --max_record_bytes {DEFAULT_LIMIT} {ADVICE}"
+    assert msg == (f"record 3: {data} line 4 holds {len(big)} bytes, more than --max_record_bytes {DEFAULT_LIMIT} "
+                   f"{ADVICE}")
 
 
 def test_invalid_skip_leaves_a_record_over_the_limit_out_and_counts_it(tmp_path, model, capsys):

@@ -4,8 +4,9 @@
 file name (`train*`, `test*`, `validation*`, `data/train-00000-of-00001.parquet`, ...; everything in `train`
 when no name says a split). Two rules of its leave files out without a word: files of another type than the
 reader's, and, once one file's name says a split, every file whose name says none (`train.jsonl` + `more.csv`:
-only `train.jsonl` is read); it also never reads a few names (`config.json`, `dummy_data.zip`). So `data_files` lists the files each split reads, and refuses in one line any
-folder holding a file that no split would read, naming it and why, unless the file is clearly not data:
+only `train.jsonl` is read); it also never reads a few names (`config.json`, `dummy_data.zip`). So `data_files`
+lists the files each split reads, and refuses in one line any folder holding a file that no split would read,
+naming it and why, unless the file is clearly not data:
 
 - hidden files and folders (`.gitattributes`, `.git/`, `.cache/`) and `__special__` folders, which `datasets`
   never reads either;

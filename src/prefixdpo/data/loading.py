@@ -17,9 +17,9 @@ i-th row of the split, so every later message can name it.
   both: `datasets` has no cross-type folder, CSV columns cannot hold conversations, and record numbers over
   mixed readers would name nothing a user can find. Every file of the folder is read in a split, or the folder
   is refused naming the ones left out (`folder`: `train.jsonl` + `more.jsonl` would read only `train.jsonl`),
-  except files that are clearly no data (hidden ones, README*, LICENSE*). JSON(L) folders are read by the same reader as a JSON(L)
-  file, the files of a split one after another (record numbers run on across them), and a bad line names its
-  file and line (`record 19: a.jsonl line 20 is not valid JSON`).
+  except files that are clearly no data (hidden ones, README*, LICENSE*). JSON(L) folders are read by the same
+  reader as a JSON(L) file, the files of a split one after another (record numbers run on across them), and a
+  bad line names its file and line (`record 19: a.jsonl line 20 is not valid JSON`).
 - A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`: `datasets.load_from_disk`.
 - `datasets.Dataset`, `datasets.DatasetDict`, or a list of dicts: used as they are.
 - Any other string: a Hub dataset name, `datasets.load_dataset(name, dataset_config, split=split)`.
@@ -252,8 +252,9 @@ def load_records(
 ) -> Sequence:
     """The records of one split of `source` (see module docstring), the first `max_samples` of them if set.
 
-    max_record_bytes: the most bytes of one record of a local file (0: no limit); a larger one is an
-    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`).
+    max_record_bytes: the most bytes of one record of a JSON / JSON Lines file (0: no limit); a larger one is an
+    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`); records read by `datasets`
+    are measured later, by their text (`validation.check_record_size`).
 
     Returns a `datasets.Dataset` or a list; either way `len()` and `[i]` give record i as a dict.
     """

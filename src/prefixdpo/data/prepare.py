@@ -39,8 +39,9 @@ class DataOptions:
     split, eval_split: split names; eval_split None = no eval set.
     add_eos:           append the EOS token text to string responses (as TRL); chat templates end turns themselves.
     dataset_config:    Hub dataset configuration name.
-    max_record_bytes:  the most bytes of one record of a local file (0: no limit): a larger one is refused, or
-                       skipped and counted as `too_big` with invalid="skip", before it is parsed (`record_lines`).
+    max_record_bytes:  the most bytes of one record (0: no limit): a larger one is refused, or skipped and counted
+                       as `too_big` with invalid="skip": a JSON Lines line before it is parsed (`record_lines`), a
+                       record of any other source by its text before it is tokenized (`check_record_size`).
     """
 
     max_length: int | None = None

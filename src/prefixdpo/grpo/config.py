@@ -23,7 +23,8 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    PrefixReuseOptions, RecordSizeOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions, check_attention_and_pack_length,
+    PrefixReuseOptions, RecordSizeOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions,
+    check_attention_and_pack_length,
     check_prefix_reuse, check_sequence_parallel, device_has_bf16, join_cpu_processes,
 )
 

@@ -68,7 +68,7 @@ def load_prompts(source, *, split: str | None = "train", dataset_config: str | N
                  max_samples: int | None = None, invalid: str = "error",
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
     """(`datasets.Dataset` of the checked records, `PromptReport`) of one split of `source` (max_record_bytes: the
-    most bytes of one record of a local file, 0: no limit; a larger one is a bad record, `record_lines`)."""
+    most bytes of one record, 0: no limit; a larger one is a bad record, as in `prepare.DataOptions`)."""
     from datasets import Dataset
 
     check_policy(invalid)
