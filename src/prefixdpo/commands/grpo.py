@@ -179,7 +179,7 @@ class GroupRecipe(Recipe):
         rewards = resolve_rewards(script_args.reward_funcs, script_args.reward_model_name_or_path)
         source = script_args.dataset_name or str(default.prompts_file)
         load = dict(dataset_config=script_args.dataset_config, max_samples=script_args.max_samples,
-                    invalid=script_args.invalid)
+                    invalid=script_args.invalid, max_record_bytes=script_args.max_record_bytes)
         train, report = load_prompts(source, split=script_args.dataset_train_split, **load)
         print(f"Train prompts: {report.summary()}")
         indices = {"train": report.kept_indices}  # messages name records by their index in the source

@@ -6,7 +6,8 @@ i-th row of the split, so every later message can name it.
 - `.json` / `.jsonl` files are read with Python's `json`, one record per line (or a top-level list), not
   through Arrow: Arrow would coerce types across records, turn a missing field into None and fail the whole
   file on one bad line. Here a bad line becomes an `InvalidRecordError` for that record index (bad JSON,
-  invalid UTF-8), which the error/skip policy then handles.
+  invalid UTF-8, more than `max_record_bytes`), which the error/skip policy then handles. JSON Lines are read
+  line by line in bounded memory (`record_lines`): a line over the limit is never held whole.
 - `.parquet` / `.csv` / `.arrow` files: `datasets.load_dataset(<builder>, data_files=...)`; a file it cannot
   read is a `UserError` naming the file and the reader's reason (a CSV row with extra fields names its line).
 - A folder of data files, split by file name as `datasets.load_dataset(folder)` splits it (`train*.jsonl`,
@@ -14,9 +15,11 @@ i-th row of the split, so every later message can name it.
   `datasets` reads a folder with one builder: a folder of `a.jsonl` and `b.csv` would be read as JSON with
   the CSV silently left out, so it is refused, naming every type and its files. Why refuse rather than read
   both: `datasets` has no cross-type folder, CSV columns cannot hold conversations, and record numbers over
-  mixed readers would name nothing a user can find. JSON(L) folders are read by the same reader as a JSON(L)
-  file, the files of a split one after another (record numbers run on across them), and a bad line names its
-  file and line (`record 19: a.jsonl line 20 is not valid JSON`).
+  mixed readers would name nothing a user can find. Every file of the folder is read in a split, or the folder
+  is refused naming the ones left out (`folder`: `train.jsonl` + `more.jsonl` would read only `train.jsonl`),
+  except files that are clearly no data (hidden ones, README*, LICENSE*). JSON(L) folders are read by the same
+  reader as a JSON(L) file, the files of a split one after another (record numbers run on across them), and a
+  bad line names its file and line (`record 19: a.jsonl line 20 is not valid JSON`).
 - A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`: `datasets.load_from_disk`.
 - `datasets.Dataset`, `datasets.DatasetDict`, or a list of dicts: used as they are.
 - Any other string: a Hub dataset name, `datasets.load_dataset(name, dataset_config, split=split)`.
@@ -29,10 +32,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixdpo.data.validation import BAD_JSON, NOT_UTF8, InvalidRecordError
+from prefixdpo.data.folder import BUILDERS, EXPECTED, data_files
+from prefixdpo.data.record_lines import (
+    DEFAULT_MAX_RECORD_BYTES, OversizedLine, bounded_lines, first_byte, too_big_problem,
+)
+from prefixdpo.data.validation import BAD_JSON, NOT_UTF8, TOO_BIG, InvalidRecordError
 from prefixdpo.errors import ConfigError, UserError
 
 class DatasetNotFoundError(UserError, FileNotFoundError):
@@ -46,7 +54,6 @@ STREAMING_REFUSED = (
     "split, and a streamed one is not read whole behind your back: load it without streaming (datasets caches "
     "it on disk)")
 
-_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
 _LOCAL_HINTS = (os.sep, "./", "../", "~")
 
 
@@ -65,40 +72,78 @@ def read_tab_groups(path: str, what: str = "responses") -> list[tuple[str, list[
     return groups
 
 
-def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "") -> list:
+def read_json_records(path: str | Path, *, first_index: int = 0, where: str = "",
+                      max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list:
     """Records of a JSON Lines file (or a JSON file holding one list). A line that is not valid UTF-8 or not
-    valid JSON becomes an `InvalidRecordError` in its place, so record numbering never shifts.
+    valid JSON, or holds more than `max_record_bytes` bytes (0: no limit), becomes an `InvalidRecordError` in its
+    place, so record numbering never shifts; a line over the limit is never held whole (`record_lines`).
 
     first_index: the record number of this file's first record (a folder's files are numbered on).
     where: put before "line N" in a bad line's message (a folder's file name, so the message names the file).
     """
-    data = Path(path).read_bytes()
-    head = data.lstrip()[:1]
-    if head == b"[":  # one JSON array: all or nothing, as the format gives no line to blame
-        try:
-            records = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        if not isinstance(records, list):
-            raise UserError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
-        return records
+    with open(path, "rb") as fh:
+        if first_byte(fh) == b"[":  # one JSON array: read whole, as the format gives no line to cut it at
+            return _json_array(path, fh.read(), first_index, where or f"{path} ", max_record_bytes)
+        records: list = []
+        for line_no, line in bounded_lines(fh, max_record_bytes):
+            index = first_index + len(records)
+            if isinstance(line, OversizedLine):
+                problem = too_big_problem(where or f"{path} ", line_no, line, max_record_bytes)
+                records.append(InvalidRecordError(index, TOO_BIG, problem))
+                continue
+            if not line.strip():
+                continue  # blank lines are not records
+            records.append(_json_line(line, index, f"{where}line {line_no}"))
+    return records
+
+
+def _json_line(line: bytes, index: int, where: str):
+    """The record of one JSON line, or an `InvalidRecordError` for record `index` (`where`: "FILE line N")."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return InvalidRecordError(index, NOT_UTF8, f"{where} is not valid UTF-8 (byte {err.start})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return InvalidRecordError(index, BAD_JSON, f"{where} is not valid JSON ({err.msg})")
+
+
+_BLANK = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array(path, data: bytes, first_index: int, where: str, limit: int) -> list:
+    """The records of a file holding one JSON list: all or nothing for bad JSON (a one-line `UserError`), as the
+    format gives no line to blame; a record of more than `limit` bytes (0: no limit) becomes an
+    `InvalidRecordError` naming the line it starts on, as a JSON Lines record over the limit."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
+    del data
+    decoder = json.JSONDecoder()
     records: list = []
-    for line_no, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue  # blank lines are not records
-        index = first_index + len(records)
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            problem = f"{where}line {line_no} is not valid UTF-8 (byte {err.start})"
-            records.append(InvalidRecordError(index, NOT_UTF8, problem))
-            continue
-        try:
-            records.append(json.loads(text))
-        except json.JSONDecodeError as err:
-            records.append(InvalidRecordError(index, BAD_JSON, f"{where}line {line_no} is not valid JSON ({err.msg})"))
+    try:
+        pos = _BLANK.match(text, _BLANK.match(text).end() + 1).end()  # past "[" and the blanks after it
+        while not text.startswith("]", pos):
+            if records:  # a comma between records
+                if not text.startswith(",", pos):
+                    raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+                pos = _BLANK.match(text, pos + 1).end()
+            start = pos
+            value, pos = decoder.raw_decode(text, pos)
+            size = pos - start  # characters: at most the bytes, and equal for ASCII
+            if limit and size * 4 > limit:  # perhaps over: count its bytes
+                size = len(text[start:pos].encode("utf-8"))
+            if limit and size > limit:
+                problem = too_big_problem(where, text.count("\n", 0, start) + 1, size, limit)
+                value = InvalidRecordError(first_index + len(records), TOO_BIG, problem)
+            records.append(value)
+            pos = _BLANK.match(text, pos).end()
+        if _BLANK.match(text, pos + 1).end() != len(text):
+            raise json.JSONDecodeError("Extra data", text, pos + 1)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     return records
 
 
@@ -126,78 +171,31 @@ def _local_path(source: str) -> Path | None:
     path = Path(source).expanduser()
     if path.exists():
         return path
-    if source.startswith(_LOCAL_HINTS) or Path(source).suffix.lower() in _BUILDERS:
+    if source.startswith(_LOCAL_HINTS) or Path(source).suffix.lower() in BUILDERS:
         raise DatasetNotFoundError(f"no such file or directory: {source}")
     return None  # not a local path: a Hub name
 
 
-def _load_path(path: Path, split: str | None):
+def _load_path(path: Path, split: str | None, max_record_bytes: int):
     import datasets
 
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return _pick_split(datasets.load_from_disk(str(path)), split, str(path))
-        return _load_folder(path, split)
+        return _load_folder(path, split, max_record_bytes)
     suffix = path.suffix.lower()
     if split not in (None, "train"):
         raise UserError(f"{path}: a single file has only the split 'train', not {split!r}")
     if suffix in (".json", ".jsonl"):
-        return read_json_records(path)
-    if suffix not in _BUILDERS:
-        raise UserError(f"{path}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet, .csv or .arrow)")
-    return _read_with_builder(_BUILDERS[suffix], {"train": [str(path)]})["train"]
+        return read_json_records(path, max_record_bytes=max_record_bytes)
+    if suffix not in BUILDERS:
+        raise UserError(f"{path}: unknown file type {suffix!r} ({EXPECTED})")
+    return _read_with_builder(BUILDERS[suffix], {"train": [str(path)]})["train"]
 
 
-def _folder_files(folder: Path) -> dict[str, list[str]]:
-    """{split: data files} of a folder, by `datasets`' own rules (file names that say a split; hidden files,
-    the README and files of no data type left out), in the order `datasets.load_dataset(folder)` reads them."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
-    from datasets.load import _ALL_ALLOWED_EXTENSIONS  # the extensions load_dataset(folder) looks at
-
-    base = folder.expanduser().resolve().as_posix()
-    try:
-        files = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base,
-                                            allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
-    except FileNotFoundError:  # datasets' EmptyDatasetError: no data file at all
-        files = {}
-    return {str(name): [str(f) for f in found] for name, found in files.items() if found}
-
-
-def _reader(path: str) -> str:
-    """The `datasets` builder that reads `path` ("json", "csv", "parquet", "arrow"), else its extension."""
-    suffix = Path(path).suffix.lower()
-    return _BUILDERS.get(suffix, suffix)
-
-
-def _one_reader(folder: Path, files: dict[str, list[str]]) -> str:
-    """The one reader of the folder's data files; a `UserError` naming every type and its files when they
-    need several, or one prefixdpo does not read (.txt, .tsv, images, ...)."""
-    by_reader: dict[str, list[str]] = {}
-    for found in files.values():
-        for f in found:
-            by_reader.setdefault(_reader(f), []).append(Path(f).relative_to(folder.resolve()).as_posix())
-    if not by_reader:
-        raise UserError(f"{folder}: no data files in this folder (expected .jsonl, .json, .parquet, .csv or .arrow)")
-    listing = "; ".join(f"{kind}: {_some(names)}" for kind, names in sorted(by_reader.items()))
-    if len(by_reader) > 1:
-        raise UserError(f"{folder}: holds data files of {len(by_reader)} types ({listing}); a dataset folder is "
-                        "read with one reader, so keep one type in it or give one file as the dataset")
-    (reader,) = by_reader
-    if reader not in _BUILDERS.values():
-        raise UserError(f"{folder}: its data files ({listing}) are not a type prefixdpo reads "
-                        "(expected .jsonl, .json, .parquet, .csv or .arrow)")
-    return reader
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(sorted(names)[:shown]) + more
-
-
-def _load_folder(folder: Path, split: str | None):
+def _load_folder(folder: Path, split: str | None, max_record_bytes: int):
     """The records of one split of a folder of data files (module docstring)."""
-    files = _folder_files(folder)
-    reader = _one_reader(folder, files)
+    files, reader = data_files(folder)
     split = split or "train"
     if split not in files:
         raise UserError(f"{folder}: no split {split!r} (available: {', '.join(files)})")
@@ -206,7 +204,7 @@ def _load_folder(folder: Path, split: str | None):
     records: list = []
     for f in files[split]:
         name = Path(f).relative_to(folder.resolve()).as_posix()
-        records += read_json_records(f, first_index=len(records), where=f"{name} ")
+        records += read_json_records(f, first_index=len(records), where=f"{name} ", max_record_bytes=max_record_bytes)
     return records
 
 
@@ -250,8 +248,13 @@ def load_records(
     split: str | None = "train",
     dataset_config: str | None = None,
     max_samples: int | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Sequence:
     """The records of one split of `source` (see module docstring), the first `max_samples` of them if set.
+
+    max_record_bytes: the most bytes of one record of a JSON / JSON Lines file (0: no limit); a larger one is an
+    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`); records read by `datasets`
+    are measured later, by their text (`validation.check_record_size`).
 
     Returns a `datasets.Dataset` or a list; either way `len()` and `[i]` give record i as a dict.
     """
@@ -262,11 +265,12 @@ def load_records(
         name = split or "train"
         if name not in source:
             raise UserError(f"no split {name!r} (available: {', '.join(source)})")
-        return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples)
+        return load_records(source[name], split=None, dataset_config=dataset_config, max_samples=max_samples,
+                            max_record_bytes=max_record_bytes)
     if isinstance(source, (str, Path)):
         path = _local_path(str(source))
         if path is not None:
-            records = _load_path(path, split)
+            records = _load_path(path, split, max_record_bytes)
         else:
             import datasets
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from prefixdpo.data.example import Example
 from prefixdpo.data.formats import PAIRS_POLICIES, parse_record
 from prefixdpo.data.loading import load_records
+from prefixdpo.data.record_lines import DEFAULT_MAX_RECORD_BYTES, check_max_record_bytes
 from prefixdpo.data.tokenize import tokenize_records
 from prefixdpo.data.truncate import OVERLONG_POLICIES, TRUNCATION_MODES, truncate_row
-from prefixdpo.data.validation import InvalidRecordError, SkipLog, check_policy, handle
+from prefixdpo.data.validation import InvalidRecordError, SkipLog, check_policy, check_record_size, handle
 from prefixdpo.errors import ConfigError
 
 _CHUNK = 1024  # records tokenized per batch call
@@ -38,6 +39,9 @@ class DataOptions:
     split, eval_split: split names; eval_split None = no eval set.
     add_eos:           append the EOS token text to string responses (as TRL); chat templates end turns themselves.
     dataset_config:    Hub dataset configuration name.
+    max_record_bytes:  the most bytes of one record (0: no limit): a larger one is refused, or skipped and counted
+                       as `too_big` with invalid="skip": a JSON Lines line before it is parsed (`record_lines`), a
+                       record of any other source by its text before it is tokenized (`check_record_size`).
     """
 
     max_length: int | None = None
@@ -50,9 +54,11 @@ class DataOptions:
     eval_split: str | None = None
     add_eos: bool = True
     dataset_config: str | None = None
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def __post_init__(self) -> None:
         check_policy(self.invalid)
+        check_max_record_bytes(self.max_record_bytes)
         for name, value, allowed in (
             ("truncation_mode", self.truncation_mode, TRUNCATION_MODES),
             ("overlong", self.overlong, OVERLONG_POLICIES),
@@ -140,7 +146,9 @@ def examples_from_records(records, tokenizer, options: DataOptions) -> tuple[lis
         parsed = []
         for index in range(start, min(start + _CHUNK, len(records))):
             try:
-                parsed.append(parse_record(index, records[index], options.pairs_policy))
+                record = records[index]
+                check_record_size(index, record, options.max_record_bytes)
+                parsed.append(parse_record(index, record, options.pairs_policy))
             except InvalidRecordError as err:
                 handle(err, options.invalid, skips)
         for record, tok in zip(parsed, tokenize_records(parsed, tokenizer, add_eos=options.add_eos)):
@@ -181,10 +189,12 @@ def prepare_examples(source, tokenizer, options: DataOptions | None = None) -> P
     `options.invalid == "error"`; with "skip" every bad record is counted in `report.skipped`.
     """
     options = options or DataOptions()
-    records = load_records(source, options.split, options.dataset_config, options.max_samples)
+    records = load_records(source, options.split, options.dataset_config, options.max_samples,
+                           options.max_record_bytes)
     examples, report = examples_from_records(records, tokenizer, options)
     prepared = PreparedData(examples, report)
     if options.eval_split is not None:
-        eval_records = load_records(source, options.eval_split, options.dataset_config, options.max_samples)
+        eval_records = load_records(source, options.eval_split, options.dataset_config, options.max_samples,
+                                    options.max_record_bytes)
         prepared.eval_examples, prepared.eval_report = examples_from_records(eval_records, tokenizer, options)
     return prepared

@@ -29,6 +29,7 @@ NO_PREFERENCE = "no_preference"
 BAD_JSON = "bad_json"
 UNKNOWN_FORMAT = "unknown_format"
 BOUNDARY = "boundary"
+TOO_BIG = "too_big"  # a record over --max_record_bytes, left unparsed
 
 
 class InvalidRecordError(UserError):
@@ -67,6 +68,32 @@ def handle(err: InvalidRecordError, invalid: str, log: SkipLog) -> None:
     if invalid == "error":
         raise err
     log.add(err)
+
+
+def text_bytes(value) -> int:
+    """The UTF-8 bytes of every string (and bytes value) in a record, keys included, whatever holds them: its size
+    as text, what tokenizing it costs memory by."""
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_bytes(k) + text_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_bytes(v) for v in value)
+    return 0
+
+
+def check_record_size(index: int, record, limit: int) -> None:
+    """An `InvalidRecordError` (`TOO_BIG`) for a record of more than `limit` bytes of text (0: no limit), before
+    it is tokenized: the check of a record that no JSON Lines reader measured (CSV, Parquet, Arrow, in-memory
+    datasets, the Hub); a JSON Lines record was measured as its line, which is never shorter than its text."""
+    if limit and isinstance(record, dict):
+        size = text_bytes(record)
+        if size > limit:
+            raise InvalidRecordError(index, TOO_BIG, f"holds {size} bytes of text, more than --max_record_bytes "
+                                                     f"{limit} (raise it, or 0 for no limit; --invalid skip leaves "
+                                                     "the record out, counted)")
 
 
 # ---------------------------------------------------------------------------------------------- field checks

@@ -23,8 +23,9 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.training.model_options import ModelArguments
 from prefixdpo.training.nonfinite import check_nonfinite_options
 from prefixdpo.training.options import (
-    PACKING_HELP, PrefixReuseOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions, SharedLineOptions,
-    check_attention_and_pack_length, check_prefix_reuse, check_sequence_parallel, device_has_bf16, join_cpu_processes,
+    PACKING_HELP, PrefixReuseOptions, RecordSizeOptions, RunSafetyOptions, ScriptArguments, SequenceParallelOptions,
+    SharedLineOptions, check_attention_and_pack_length, check_prefix_reuse, check_sequence_parallel, device_has_bf16,
+    join_cpu_processes,
 )
 
 
@@ -112,9 +113,9 @@ class GroupModelArguments(ModelArguments):
 
 
 @dataclass
-class GroupScriptArguments(ScriptArguments):
+class GroupScriptArguments(RecordSizeOptions, ScriptArguments):
     """TRL's `GRPOScriptArguments` / `RLOOScriptArguments` (`ScriptArguments` + the rewards), and how records are
-    read (`max_samples`, `invalid`)."""
+    read (`max_samples`, `invalid`, `max_record_bytes`)."""
 
     dataset_name: str | None = field(
         default=None,

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 
 from prefixdpo.data.validation import (
 
-    EMPTY_PROMPT, MISSING_FIELD, WRONG_TYPE, InvalidRecordError, SkipLog, check_messages, check_policy, check_text, handle, is_blank,
+    EMPTY_PROMPT, MISSING_FIELD, WRONG_TYPE, InvalidRecordError, SkipLog, check_messages, check_policy,
+    check_record_size, check_text, handle, is_blank,
 
 )
 
 from prefixdpo.errors import UserError
 
 from prefixdpo.data.loading import load_records
+from prefixdpo.data.record_lines import DEFAULT_MAX_RECORD_BYTES, check_max_record_bytes
 
 
 @dataclass
@@ -63,17 +65,23 @@ def checked_prompt_record(index: int, record) -> dict:
 
 
 def load_prompts(source, *, split: str | None = "train", dataset_config: str | None = None,
-                 max_samples: int | None = None, invalid: str = "error"):
-    """(`datasets.Dataset` of the checked records, `PromptReport`) of one split of `source`."""
+                 max_samples: int | None = None, invalid: str = "error",
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
+    """(`datasets.Dataset` of the checked records, `PromptReport`) of one split of `source` (max_record_bytes: the
+    most bytes of one record, 0: no limit; a larger one is a bad record, as in `prepare.DataOptions`)."""
     from datasets import Dataset
 
     check_policy(invalid)
-    records = load_records(source, split=split, dataset_config=dataset_config, max_samples=max_samples)
+    check_max_record_bytes(max_record_bytes)
+    records = load_records(source, split=split, dataset_config=dataset_config, max_samples=max_samples,
+                           max_record_bytes=max_record_bytes)
     report = PromptReport(loaded=len(records))
     kept = []
     for index in range(len(records)):
         try:
-            kept.append(checked_prompt_record(index, records[index]))
+            record = records[index]
+            check_record_size(index, record, max_record_bytes)
+            kept.append(checked_prompt_record(index, record))
             report.kept_indices.append(index)
         except InvalidRecordError as err:
             handle(err, invalid, report.skipped)

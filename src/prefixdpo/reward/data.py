@@ -55,7 +55,8 @@ def _examples_with_margins(data, tokenizer, options):
     from prefixdpo.data.loading import load_records
     from prefixdpo.data.prepare import examples_from_records
 
-    records = load_records(data, options.split, options.dataset_config, options.max_samples)
+    records = load_records(data, options.split, options.dataset_config, options.max_samples,
+                           options.max_record_bytes)
     examples, report = examples_from_records(records, tokenizer, options)
     return with_margins(examples, records, report, options.invalid), report
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from prefixdpo.core.attention.backends import BACKENDS
+from prefixdpo.data.record_lines import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_BYTES_HELP, check_max_record_bytes
 from prefixdpo.errors import ConfigError
 from prefixdpo.training.nonfinite import NONFINITE_HELP, NONFINITE_MAX_CONSECUTIVE_HELP, POLICIES, check_nonfinite_options
 
@@ -241,7 +242,21 @@ class ScriptArguments:
 
 
 @dataclass
-class DataArguments(ScriptArguments):
+class RecordSizeOptions:
+    """How big one record of a local file may be: declared once, on `train`, `reward`, `grpo` and `rloo` (and
+    `inspect`), after TRL's `ScriptArguments`."""
+
+    max_record_bytes: int = field(default=DEFAULT_MAX_RECORD_BYTES, metadata={"help": MAX_RECORD_BYTES_HELP})
+
+    def __post_init__(self) -> None:
+        check_max_record_bytes(self.max_record_bytes)
+        parent = getattr(super(), "__post_init__", None)  # ScriptArguments' (the streaming refusal)
+        if parent is not None:
+            parent()
+
+
+@dataclass
+class DataArguments(RecordSizeOptions, ScriptArguments):
     """TRL's `ScriptArguments` and how records become examples (the rest of `DataOptions` comes from the config)."""
 
     max_samples: int | None = field(default=None, metadata={"help": "Use only the first N records."})
@@ -255,7 +270,7 @@ class DataArguments(ScriptArguments):
 
 
 # The `DataOptions` fields `DataArguments` holds under the same names (the lengths come from the config).
-RECORD_OPTIONS = ("overlong", "invalid", "pairs_policy", "max_samples", "dataset_config")
+RECORD_OPTIONS = ("overlong", "invalid", "pairs_policy", "max_samples", "dataset_config", "max_record_bytes")
 
 
 def pipeline_options(config, data: DataArguments | None, default: DataArguments, **from_config):
