@@ -45,7 +45,7 @@ bench-quick: $(STAMP)
 # Writes gpu-check.json and gpu-check.md into $(OUT) (default gpu-check-results).
 OUT ?= gpu-check-results
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m prefixdpo.tools.gpu_check --out "$(OUT)"
+	PYTHONPATH=src $(PYTHON) -m prefixdpo_tools.gpu_check --out "$(OUT)"
 
 # The documentation site (docs/, mkdocs.yml) built into site/; `.venv/bin/mkdocs serve` to browse it while editing.
 docs: $(STAMP)

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import finish_ranks, make_examples, tiny_model  # noqa: E402
 
-import prefixdpo.tools.demo as demo  # noqa: E402
+import prefixdpo_tools.demo as demo  # noqa: E402
 from prefixdpo.dpo.config import PrefixDPOConfig  # noqa: E402
 from prefixdpo.core.rank_decisions import gather  # noqa: E402
 from prefixdpo.dpo.trainer import PrefixDPOTrainer  # noqa: E402

@@ -25,7 +25,7 @@ SAVE_STEPS = 2
 
 def command(workdir: str, out: str, resume: bool, method: str = "grpo") -> list[str]:
     argv = [method, "--model", os.path.join(workdir, "model"), "--dataset", os.path.join(workdir, "prompts.jsonl"),
-            "--reward_funcs", "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4",
+            "--reward_funcs", "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "4",
             "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", str(MAX_STEPS),
             "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--save_total_limit", "2",
             "--learning_rate", "1e-2", "--lr_scheduler_type", "linear", "--logging_steps", "1", "--seed", "3",

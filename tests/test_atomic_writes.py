@@ -59,7 +59,7 @@ def _snapshot(folder):
 
 
 def test_reports_survive_a_writer_that_fails_halfway(tmp_path, monkeypatch):
-    from prefixdpo.tools import gpu_check
+    from prefixdpo_tools import gpu_check
 
     old = [gpu_check.CheckResult("verify", "llama float32 sdpa", "ok", "rel dlogp 1e-07")]
     new = old + [gpu_check.CheckResult("bench", "tldr sdpa", "error", "RuntimeError: x" * 200)]
@@ -115,7 +115,7 @@ def _files(folder):
 
 
 def test_a_demo_build_that_fails_midway_leaves_no_half_folder(tmp_path, monkeypatch):
-    import prefixdpo.tools.demo as demo
+    import prefixdpo_tools.demo as demo
     from prefixdpo import PrefixDPOConfig
 
     spec = demo.DemoSpec(num_train=40, num_eval=8, vocab_size=300, hidden_size=32, intermediate_size=64)

@@ -2,7 +2,7 @@
 output_dir untouched (not created when absent; byte for byte the same when it holds another run).
 
 Each case runs the real command line in-process (`prefixdpo.cli.main`) on a small model built locally
-(`prefixdpo.tools.demo`, no downloads). Then the fit check (`prefixdpo.core.fit`) on its own: a row exactly at the
+(`prefixdpo_tools.demo`, no downloads). Then the fit check (`prefixdpo.core.fit`) on its own: a row exactly at the
 model's positions passes, one token over is refused naming the record; rope scaling and sliding windows; the
 mask-memory estimate against the measured bound. Last, every `--option` that an error message of
 prefixdpo advises is a real option of a prefixdpo command.
@@ -22,7 +22,7 @@ import pytest
 
 from prefixdpo.cli import main
 from prefixdpo.data.example import Example
-from prefixdpo.tools.demo import DemoSpec, build_demo
+from prefixdpo_tools.demo import DemoSpec, build_demo
 
 SPEC = DemoSpec(num_train=24, num_eval=4, max_position_embeddings=512)
 WORDS = "apple river stone cloud tiger piano garden window "

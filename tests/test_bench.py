@@ -11,9 +11,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_model
-from prefixdpo.tools.bench.modes import MODES, bucket_length, common_pack_length, layout_group
-from prefixdpo.tools.bench.step import DPOStep
-from prefixdpo.tools.bench.workloads import fixed_groups, synthetic_workload
+from prefixdpo_tools.bench.modes import MODES, bucket_length, common_pack_length, layout_group
+from prefixdpo_tools.bench.step import DPOStep
+from prefixdpo_tools.bench.workloads import fixed_groups, synthetic_workload
 from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
@@ -207,7 +207,7 @@ def test_tiny_bench_cli_run_writes_tables_json_and_chart(tmp_path, clock):
 def test_roofline_shares_are_per_pass_ratios_of_useful_flops_over_the_matmul_rate():
     import torch
 
-    from prefixdpo.tools.bench.roofline import Roofline, RooflineProbe
+    from prefixdpo_tools.bench.roofline import Roofline, RooflineProbe
 
     # 25 GFLOP forward -> a DPO step's useful 100 GFLOP (policy 3 + reference 1); passes of 2 s and 4 s, with the
     # matmul at 100 then 50 GFLOP/s: 50 and 25 GFLOP/s useful, half the roofline in both passes
@@ -231,9 +231,9 @@ class _SleepingStep:
 
 @pytest.mark.parametrize("clock", ["wall", "cpu"])
 def test_the_cpu_clock_leaves_out_time_the_step_does_not_compute(clock):
-    from prefixdpo.tools.bench.clock import step_clock
-    from prefixdpo.tools.bench.flops import ModelShape
-    from prefixdpo.tools.bench.runner import run_workload
+    from prefixdpo_tools.bench.clock import step_clock
+    from prefixdpo_tools.bench.flops import ModelShape
+    from prefixdpo_tools.bench.runner import run_workload
 
     workload = synthetic_workload("hh-rlhf", 2, 1, vocab_size=64, seed=0, length_scale=0.05)
     result = run_workload(workload, _SleepingStep(), ModelShape(64, 128, 1, 2, 1, 32, 64), repeats=1, warmup=0,
@@ -243,7 +243,7 @@ def test_the_cpu_clock_leaves_out_time_the_step_does_not_compute(clock):
 
 
 def test_the_cpu_clock_is_refused_for_a_cuda_bench():
-    from prefixdpo.tools.bench.clock import step_clock
+    from prefixdpo_tools.bench.clock import step_clock
 
     with pytest.raises(ConfigError, match="--clock cpu times CPU steps only"):
         step_clock("cpu", "cuda")
@@ -283,8 +283,8 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
     [prompt][response] sequences per example (the best 3 times), the shared modes 1 row with the 4
     responses once; every mode's per-pair DPO losses equal stock separate passes (fp32, within K_FORWARD eps of
     `pair_loss_scale`)."""
-    from prefixdpo.tools.bench.modes import standard_examples
-    from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup, shared_flop_count, standard_flop_count
+    from prefixdpo_tools.bench.modes import standard_examples
+    from prefixdpo_tools.bench.flops import ModelShape, ideal_speedup, shared_flop_count, standard_flop_count
 
     w = synthetic_workload("ultrafeedback-k4", 4, 2, vocab_size=96, seed=2, length_scale=0.03)
     assert w.num_pairs == 12

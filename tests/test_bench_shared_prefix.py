@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from prefixdpo.tools.bench.flops import (
+from prefixdpo_tools.bench.flops import (
     ModelShape, forward_flops, shared_flop_count, standard_flop_count, step_ideals, trie_flop_count,
 )
-from prefixdpo.tools.bench.modes import GROUPED_MODE, TRIE_MODE, common_pack_length, layout_group
-from prefixdpo.tools.bench.runner import workload_modes
-from prefixdpo.tools.bench.workloads import shared_prefix_workload
+from prefixdpo_tools.bench.modes import GROUPED_MODE, TRIE_MODE, common_pack_length, layout_group
+from prefixdpo_tools.bench.runner import workload_modes
+from prefixdpo_tools.bench.workloads import shared_prefix_workload
 from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup
+from prefixdpo_tools.bench.flops import ModelShape, ideal_speedup
 from prefixdpo.data.example import Example
 from prefixdpo.data.stats import compute_stats
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer

@@ -1,4 +1,4 @@
-"""The embedded default (`prefixdpo.tools.demo`) and the `prefixdpo train` command on it."""
+"""The embedded default (`prefixdpo_tools.demo`) and the `prefixdpo train` command on it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import torch
 
 from prefixdpo.cli import main
-from prefixdpo.tools.demo import DemoSpec, build_demo, make_splits
+from prefixdpo_tools.demo import DemoSpec, build_demo, make_splits
 
 
 def _sha(path) -> str:

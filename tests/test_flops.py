@@ -5,7 +5,7 @@ import itertools
 import pytest
 from transformers import LlamaConfig
 
-from prefixdpo.tools.bench.flops import (
+from prefixdpo_tools.bench.flops import (
     LLAMA_3_1_8B,
     ModelShape,
     forward_flops,

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import cpu_half_dtype
-from prefixdpo.tools import gpu_check
-from prefixdpo.tools.gpu_check import dpo as gpu_check_dpo
-from prefixdpo.tools.gpu_check.results import CheckResult
+from prefixdpo_tools import gpu_check
+from prefixdpo_tools.gpu_check import dpo as gpu_check_dpo
+from prefixdpo_tools.gpu_check.results import CheckResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,8 +115,8 @@ def test_package_imports_without_datasets_or_trl():
         "        if name.split('.')[0] in ('datasets', 'trl'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import prefixdpo.tools.gpu_check, prefixdpo.core.verify, prefixdpo.tools.bench.runner\n"
-        "import prefixdpo.tools.bench.step, prefixdpo.tools.bench.model, prefixdpo.tools.bench.workloads\n"
+        "import prefixdpo_tools.gpu_check, prefixdpo.core.verify, prefixdpo_tools.bench.runner\n"
+        "import prefixdpo_tools.bench.step, prefixdpo_tools.bench.model, prefixdpo_tools.bench.workloads\n"
         "import prefixdpo.commands.verify, prefixdpo.cli\n"
         "print('ok')\n"
     )
@@ -151,8 +151,8 @@ def test_trainer_imports_and_trains_where_trl_and_datasets_are_absent():
 
 
 def test_grpo_plan_and_names_match_the_grpo_package():
-    from prefixdpo.tools.bench.grpo import PROFILES
-    from prefixdpo.tools.gpu_check.grpo import VERIFY_ARCHS
+    from prefixdpo_tools.bench.grpo import PROFILES
+    from prefixdpo_tools.gpu_check.grpo import VERIFY_ARCHS
 
     assert gpu_check.GRPO_PROFILES == tuple(PROFILES) and gpu_check.GRPO_ARCHS == VERIFY_ARCHS
     plan = gpu_check.planned_checks(["flex", "varlen", "sdpa"], sections=("grpo",))
@@ -166,12 +166,12 @@ def test_grpo_plan_and_names_match_the_grpo_package():
 def test_grpo_section_runs_its_checks_on_cpu(monkeypatch):
     """The section's real code on CPU sdpa: exactness against TRL's pass (fp32 and bf16, or fp16 where this CPU
     cannot attend in bf16: `conftest.cpu_half_dtype`), a tiny bench of every profile, the whole step."""
-    from prefixdpo.tools.bench.model import SHAPES
+    from prefixdpo_tools.bench.model import SHAPES
 
     torch.set_num_threads(1)  # conftest restores it
     dtypes = ("float32", str(cpu_half_dtype()).removeprefix("torch."))  # bfloat16 where this CPU attends in it
     # the section's module (the package exports its `main` function under the same name)
-    monkeypatch.setattr(importlib.import_module("prefixdpo.tools.gpu_check.main"), "DTYPES", dtypes)
+    monkeypatch.setattr(importlib.import_module("prefixdpo_tools.gpu_check.main"), "DTYPES", dtypes)
     lines = []
     results = gpu_check.grpo_section(["sdpa"], "cpu", time.monotonic() + 300, shape=SHAPES["quick"],
                                      length_scale=0.05, rollouts=1, repeats=1, warmup=0, log=lines.append)
@@ -196,7 +196,7 @@ def test_grpo_section_without_trl_is_one_line_and_one_skipped_check():
         "def hidden(cls, name, path=None, target=None):\n"
         "    return None if name.split('.')[0] in ('datasets', 'trl') else find(name, path, target)\n"
         "m.PathFinder.find_spec = classmethod(hidden)\n"
-        "from prefixdpo.tools import gpu_check\n"
+        "from prefixdpo_tools import gpu_check\n"
         "results = gpu_check.grpo_section(['sdpa'], 'cpu', time.monotonic() + 60)\n"
         "assert 'trl' not in sys.modules\n"
         "print([(r.section, r.name, r.status) for r in results], gpu_check.exit_status(results))\n"
@@ -219,7 +219,7 @@ def test_grpo_verify_fails_the_run_and_grpo_bench_does_not(tmp_path):
 
 
 def test_sequence_parallel_section_checks_head_shards_and_says_when_it_needs_two_devices():
-    from prefixdpo.tools.gpu_check import sequence_parallel
+    from prefixdpo_tools.gpu_check import sequence_parallel
 
     assert "sp" in gpu_check.SECTIONS
     plan = gpu_check.planned_checks(["flex", "sdpa"], sections=("sp",))
@@ -237,7 +237,7 @@ def test_the_prefix_reuse_section_compares_reused_passes_with_one_row(monkeypatc
     """The reuse check runs on CPU backends too (on CUDA it is flex's and varlen's only run over external keys): it
     passes on the real code, and fails when a reused pass's hidden states are off by 1e-2."""
     from prefixdpo.core import prefix_reuse
-    from prefixdpo.tools.gpu_check import prefix_reuse as reuse_section
+    from prefixdpo_tools.gpu_check import prefix_reuse as reuse_section
 
     assert ("prefix reuse", "reuse llama flex") in gpu_check.planned_checks(["flex", "sdpa"], sections=("reuse",))
     result = reuse_section.reuse_check("llama", "segmented", "cpu")

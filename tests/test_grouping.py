@@ -267,7 +267,7 @@ def test_stats_and_inspect_report_sharing_and_grouping_apart(tmp_path, capsys):
     """3 records of one prompt (10 tokens; responses a, b, c of 5 tokens; pairs ab, ac, bc) and one other record:
     per-record sharing runs 4 x 20 tokens of standard DPO's 4 x 30; grouped, the prompt's 3 records are one row of
     10 + 15 tokens. The FLOP model's speedups: std / per-record rows, std / grouped rows."""
-    from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup
+    from prefixdpo_tools.bench.flops import ModelShape, ideal_speedup
     from prefixdpo.cli import main
     from prefixdpo.data.stats import compute_stats
     from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefixdpo.cli import main
-from prefixdpo.tools.bench.grpo import (
+from prefixdpo_tools.bench.grpo import (
     MODES,
     PROFILES,
     GroupTrainingStep,
@@ -20,9 +20,9 @@ from prefixdpo.tools.bench.grpo import (
     trl_rows_flops,
     useful_flops,
 )
-from prefixdpo.tools.bench.model import SHAPES, llama_config
+from prefixdpo_tools.bench.model import SHAPES, llama_config
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.tools.bench.flops import forward_flops
+from prefixdpo_tools.bench.flops import forward_flops
 from prefixdpo.core.models import load_causal_lm
 from tolerances import K_FORWARD, assert_within
 
@@ -71,7 +71,7 @@ def test_flop_model():
 
 
 def test_whole_step_flop_model():
-    from prefixdpo.tools.bench.grpo_step import decode_cascade_ideal, generation_flops, reward_rows, scoring_flops
+    from prefixdpo_tools.bench.grpo_step import decode_cascade_ideal, generation_flops, reward_rows, scoring_flops
 
     N, P, K = 16, 40, 30
     for shared in (True, False):

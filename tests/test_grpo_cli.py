@@ -83,7 +83,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     data.write_text('{"prompt": "hello"}\n{"question": "no prompt here"}\n')
     base = ["grpo", "--model", saved_tiny_model(tmp_path / "m"), "--dataset", str(data), "--output-dir",
             str(tmp_path / "o"), "--max_steps", "1"]
-    assert main(base + ["--reward_funcs", "prefixdpo.tools.demo_grpo:vowel_share"]) == 2
+    assert main(base + ["--reward_funcs", "prefixdpo_tools.demo_grpo:vowel_share"]) == 2
     assert "record 1: no 'prompt' field (fields: question)" in _error_line(capsys)
     assert main(base + ["--reward_funcs", "no_such_reward"]) == 2
     assert "no_such_reward" in _error_line(capsys)
@@ -109,7 +109,7 @@ def test_a_prompt_past_the_models_positions_is_refused_in_one_line(command, comp
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "run"
     argv = [command, "--model", model_dir, "--dataset", str(data), "--invalid", "skip", "--reward_funcs",
-            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "2", "--per_device_train_batch_size", "2",
+            "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "2", "--per_device_train_batch_size", "2",
             "--max_completion_length", str(completion), "--max_steps", "1", "--output-dir", str(out)]
     assert main(argv) == 2
     prompt = {"grpo": 57, "rloo": 281}[command]
@@ -189,7 +189,7 @@ def test_a_prompt_over_max_tokens_per_pass_is_said_once_and_counted(tmp_path, ca
     data = tmp_path / "prompts.jsonl"
     prompt_dataset(4).to_json(str(data))
     argv = ["grpo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
-            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
             "--max_completion_length", "8", "--max_steps", "1", "--prefix_reuse", "true", "--max_tokens_per_pass",
             "16", "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"]
     with caplog.at_level("WARNING", logger="prefixdpo.core.attention.reuse_plan"):
@@ -223,7 +223,7 @@ def test_rloo_command_trains_on_a_given_model(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     prompt_dataset(8).to_json(str(data))
     stdout = _run_cli(["rloo", "--model", model_dir, "--dataset", str(data), "--reward_funcs",
-                       "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4",
+                       "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "4",
                        "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "2",
                        "--logging_steps", "1",
                        "--output-dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--report_to", "none"],

@@ -82,7 +82,7 @@ def test_ctrl_c_in_an_rloo_run_saves_the_step_and_resumes_exactly(tmp_path_facto
 
 def _grpo(work: Path, out: Path, *extra: str) -> list[str]:
     return ["grpo", "--model", str(work / "model"), "--dataset", str(work / "prompts.jsonl"), "--reward_funcs",
-            "prefixdpo.tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "4", "--per_device_train_batch_size", "4",
             "--max_completion_length", "8", "--learning_rate", "1e-2", "--seed", "3", "--logging_steps", "1",
             "--disable_tqdm", "true", "--report_to", "none", "--output-dir", str(out), *extra]
 

@@ -36,7 +36,7 @@ from prefixdpo.grpo.config import GROUP_STREAMING_REFUSED, GroupModelArguments, 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-REWARD = "prefixdpo.tools.demo_grpo:vowel_share"
+REWARD = "prefixdpo_tools.demo_grpo:vowel_share"
 
 
 def test_trls_model_config_and_script_arguments_are_ours():

@@ -130,7 +130,7 @@ def test_grpo_and_rloo_refuse_a_prompt_record_over_the_limit(command, tmp_path, 
     data.write_bytes(b'{"prompt": "hello"}\n' + big + b'\n{"prompt": "there"}\n')
     out = tmp_path / "out"
     msg = refused(capsys, [command, "--model", model, "--dataset", str(data), "--max_record_bytes", "100",
-                           "--reward_funcs", "prefixdpo.tools.demo_grpo:vowel_share", "--output_dir", str(out),
+                           "--reward_funcs", "prefixdpo_tools.demo_grpo:vowel_share", "--output_dir", str(out),
                            "--max_steps", "1"], out)
     assert msg == f"record 1: {data} line 2 holds {len(big)} bytes, more than --max_record_bytes 100 {ADVICE}"
     from prefixdpo.grpo.data import load_prompts

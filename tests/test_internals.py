@@ -12,7 +12,7 @@ import pytest
 
 from prefixdpo.training.internals import PRIVATE_NAMES, PrivateName
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "prefixdpo"
+SRC = Path(__file__).resolve().parents[1] / "src"  # the library (prefixdpo) and the tools beside it
 
 
 def resolve(dotted: str):
@@ -92,7 +92,7 @@ def test_every_private_super_call_and_import_is_listed():
     """`super()._name(` anywhere in src/ and `from transformers/trl/accelerate... import _name` name a listed name."""
     listed = {e.name for e in PRIVATE_NAMES}
     unlisted = []
-    for path in SRC.rglob("*.py"):
+    for path in [*(SRC / "prefixdpo").rglob("*.py"), *(SRC / "prefixdpo_tools").rglob("*.py")]:
         text = path.read_text()
         names = re.findall(r"super\(\)\.(_[a-z]\w*)\(", text)
         names += re.findall(r"from (?:transformers|trl|accelerate)[\w.]* import (_[a-z]\w*)", text)

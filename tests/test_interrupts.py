@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("no_progress_bars")
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A tiny model, and a dataset folder with a training file and a held-out `test.jsonl` of 16 records."""
-    from prefixdpo.tools.demo import DemoSpec, build_demo
+    from prefixdpo_tools.demo import DemoSpec, build_demo
 
     work = tmp_path_factory.mktemp("interrupts")
     build_demo(work / "base", DemoSpec(num_train=24, num_eval=16, hidden_size=32, intermediate_size=64,

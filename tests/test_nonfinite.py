@@ -239,7 +239,7 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 def _cli_inputs(tmp_path) -> tuple[str, str]:
     """A tiny model folder with a tokenizer, and 12 preference records, for `prefixdpo train`."""
-    from prefixdpo.tools.demo import DemoSpec, build_model, build_tokenizer, make_records, write_jsonl
+    from prefixdpo_tools.demo import DemoSpec, build_model, build_tokenizer, make_records, write_jsonl
 
     spec = DemoSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
     records = make_records(12, seed=0)

@@ -1,10 +1,10 @@
 """The package's layout, read from its source with `ast` (nothing is imported): no import circle between its
-modules, the library's floors never import the tools wing or the commands, and the package root holds only the
+modules, the library's floors never import the tools or the commands, and the package root holds only the
 modules named here.
 
 Floors (the library: what `from prefixdpo import ...` and a training run need): core, data, dpo, reward, grpo,
-training. The tools wing (`prefixdpo.tools`: bench, gpu-check, the embedded demos) and the commands
-(`prefixdpo.commands`, `prefixdpo.cli`) sit on top of them. Imports go down README's order only (`level`).
+training. The tools (`prefixdpo_tools`, a package of its own beside the library: bench, gpu-check, the embedded
+demos) and the commands (`prefixdpo.commands`, `prefixdpo.cli`) sit on top of them. Imports go down README's order only (`level`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "prefixdpo"
+TOOLS = SRC / "prefixdpo_tools"
 FLOORS = ("core", "data", "dpo", "reward", "grpo", "training")
-ABOVE_FLOORS = ("prefixdpo.tools", "prefixdpo.commands", "prefixdpo.cli")
+ABOVE_FLOORS = ("prefixdpo_tools", "prefixdpo.commands", "prefixdpo.cli")
 ROOT_MODULES = {"__init__", "cli", "errors", "atomic_io"}
 
 
@@ -26,7 +27,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(p): p for p in sorted([*PACKAGE.rglob("*.py"), *TOOLS.rglob("*.py")])}
 
 
 def imported(path: Path, name: str, known: set[str]) -> set[str]:
@@ -127,23 +128,30 @@ def level(name: str) -> int:
     """Where a module stands in README's order (imports go down it only): the package root's utilities, data, core,
     training, the methods (dpo, reward, grpo: side by side, none imports another), the tools, the commands, the
     command line."""
+    if under(name, "prefixdpo_tools"):
+        return 5
     top = name.split(".")[1] if "." in name else ""
     return {"": 0, "errors": 0, "atomic_io": 0, "data": 1, "core": 2, "training": 3, "dpo": 4, "reward": 4,
-            "grpo": 4, "tools": 5, "commands": 6, "cli": 7}[top]
+            "grpo": 4, "commands": 6, "cli": 7}[top]
+
+
+def _floor(name: str) -> str:
+    """The package a module's layer is (`prefixdpo.dpo`, `prefixdpo_tools`, ...)."""
+    return "prefixdpo_tools" if under(name, "prefixdpo_tools") else ".".join(name.split(".")[:2])
 
 
 def test_imports_go_down_the_layers():
     graph = import_graph()
     wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() for target in targets
                    if level(target) > level(name)
-                   or level(target) == level(name) > 0 and name.split(".")[1] != target.split(".")[1])
+                   or level(target) == level(name) > 0 and _floor(name) != _floor(target))
     assert wrong == []
 
 
 def test_tools_import_no_command():
     """The tools wing is below the commands: `prefixdpo bench` runs the bench, the bench never runs a command."""
     graph = import_graph()
-    wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() if under(name, "prefixdpo.tools")
+    wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() if under(name, "prefixdpo_tools")
                    for target in targets if under(target, "prefixdpo.commands") or target == "prefixdpo.cli")
     assert wrong == []
 
@@ -152,7 +160,8 @@ def test_package_root_modules():
     root = {p.stem for p in PACKAGE.glob("*.py")}
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert root == ROOT_MODULES
-    assert packages == {*FLOORS, "commands", "tools"}
+    assert packages == {*FLOORS, "commands"}
+    assert {p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file()} == {"bench", "gpu_check"}
 
 
 def test_public_names_are_the_trainers_and_configs_of_every_method():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from prefixdpo.tools.bench.paper import PAPER, format_profile_report, profile_report
+from prefixdpo_tools.bench.paper import PAPER, format_profile_report, profile_report
 from prefixdpo.data.synthetic import PROFILES
 
 # (name, paper speedup unpacked, packed): the paper's tables as it prints them (prefix sharing over FA3).

@@ -25,7 +25,7 @@ from conftest import run_processes, tiny_model
 from tolerances import assert_same_dpo_log, assert_within, weights_scale
 
 import drive_rank_decisions as driver
-from prefixdpo.tools.demo import BUILD_FILE, build_demo
+from prefixdpo_tools.demo import BUILD_FILE, build_demo
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 

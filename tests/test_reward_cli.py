@@ -102,9 +102,9 @@ def test_verify_task_reward_passes_and_catches_a_broken_layout(saved, capsys):
 
 
 def test_reward_ideal_counts_body_and_attention_only():
-    from prefixdpo.tools.bench.reward import reward_ideal_speedup
+    from prefixdpo_tools.bench.reward import reward_ideal_speedup
     from prefixdpo.data.example import Example
-    from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup
+    from prefixdpo_tools.bench.flops import ModelShape, ideal_speedup
 
     shape = ModelShape(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=1000)
     ex = Example([1] * 10, [[2] * 4, [3] * 6], pairs=[(0, 1)])

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import finish_ranks, tiny_model
     from prefixdpo.core.sequence_parallel import new_sequence_parallel
-    from prefixdpo.tools.bench.sequence_parallel import long_row, measure_row
+    from prefixdpo_tools.bench.sequence_parallel import long_row, measure_row
 
     out_dir = sys.argv[1]
     world = int(os.environ.get("WORLD_SIZE", "1"))

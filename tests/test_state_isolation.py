@@ -40,8 +40,8 @@ OPS = {"acos", "asin", "atan", "cos", "sin", "tan", "tanh", "erf", "erfc", "erfi
 sys.path.insert(0, sys.argv[1])  # tests/, for conftest.tiny_model
 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
     from conftest import tiny_model  # sets 2 intra-op threads, as the suite runs
-    from prefixdpo.tools.bench.modes import layout_group
-    from prefixdpo.tools.bench.workloads import synthetic_workload
+    from prefixdpo_tools.bench.modes import layout_group
+    from prefixdpo_tools.bench.workloads import synthetic_workload
     from prefixdpo.core.attention.backends import batch_attention_mask
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model

@@ -42,7 +42,7 @@ TRIALS = [
 
 
 def _tiny_base(folder: Path) -> None:
-    from prefixdpo.tools.demo import DemoSpec, build_demo
+    from prefixdpo_tools.demo import DemoSpec, build_demo
 
     build_demo(folder, DemoSpec(num_train=48, num_eval=4, hidden_size=32, intermediate_size=64, num_heads=2,
                                 vocab_size=300))

@@ -211,7 +211,7 @@ def test_a_trl_dpo_yaml_runs_unchanged_and_means_what_trl_reads(tmp_path, capsys
     from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
     from prefixdpo.cli import main
-    from prefixdpo.tools.demo import build_demo
+    from prefixdpo_tools.demo import build_demo
     from prefixdpo import PrefixDPOTrainer
 
     base = build_demo(tmp_path / "base")

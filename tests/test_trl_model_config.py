@@ -34,7 +34,7 @@ import torch
 from conftest import cpu_half_dtype, make_examples, tiny_model
 from prefixdpo.cli import main
 from prefixdpo.commands.train import parse_train_args
-from prefixdpo.tools.demo import DemoSpec, build_demo
+from prefixdpo_tools.demo import DemoSpec, build_demo
 from prefixdpo.dpo.config import DPOModelArguments
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.reward.config import RewardDataArguments, RewardModelArguments

@@ -70,7 +70,7 @@ def test_gpu_check_on_a_python_without_torch_is_one_line():
     code = ("import runpy, sys\n"
             "sys.modules['torch'] = None\n"
             "sys.argv = ['gpu_check', '--out', 'unused']\n"
-            "runpy.run_module('prefixdpo.tools.gpu_check', run_name='__main__')\n")
+            "runpy.run_module('prefixdpo_tools.gpu_check', run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == ["gpu-check: torch is not installed for this python: nothing checked"]

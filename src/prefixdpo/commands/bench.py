@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--trust-remote-code", action="store_true")
-    # --task grpo only (prefixdpo.tools.bench.grpo_report)
+    # --task grpo only (prefixdpo_tools.bench.grpo_report)
     p.add_argument("--rollouts", type=int, default=None, help="grpo: rollouts (optimizer steps) per profile")
     p.add_argument("--beta", type=float, default=0.04, help="grpo: KL coefficient; > 0 adds the reference pass")
     p.add_argument("--num-iterations", type=int, default=1,
@@ -91,13 +91,13 @@ def idle_cores() -> int:
 def run(args) -> int:
     threads = args.threads or idle_cores()
     if args.task == "reuse":
-        from prefixdpo.tools.bench.prefix_reuse import run as run_reuse_bench
+        from prefixdpo_tools.bench.prefix_reuse import run as run_reuse_bench
 
         return run_reuse_bench(args, threads=threads)
     if args.task == "grpo":
-        from prefixdpo.tools.bench.grpo_report import run_group_bench
+        from prefixdpo_tools.bench.grpo_report import run_group_bench
 
         return run_group_bench(args, threads=threads)
-    from prefixdpo.tools.bench.pair_report import run_pair_bench
+    from prefixdpo_tools.bench.pair_report import run_pair_bench
 
     return run_pair_bench(args, threads=threads)

@@ -1,6 +1,6 @@
 """`prefixdpo grpo` (and, over the same recipe, `prefixdpo rloo`: commands/rloo.py): group RL with TRL 1.16's
 trainers, each prompt computed once per log-prob pass. `GroupRecipe` is the recipe both follow (`commands.recipe`):
-TRL's config, model and script arguments, the embedded default of `prefixdpo.tools.demo_grpo`, the reward functions
+TRL's config, model and script arguments, the embedded default of `prefixdpo_tools.demo_grpo`, the reward functions
 by name, and a report of the reward and the tokens saved. `HELP` is their `--help` text, in each method's words.
 """
 
@@ -55,7 +55,7 @@ DEMO_DEFAULTS: dict[str, str | list[str]] = {
     "seed": "0",
     "gradient_checkpointing": "false",
     "bf16": "false",
-    "reward_funcs": ["prefixdpo.tools.demo_grpo:vowel_share"],
+    "reward_funcs": ["prefixdpo_tools.demo_grpo:vowel_share"],
 }
 
 
@@ -161,7 +161,7 @@ class GroupRecipe(Recipe):
         return setup
 
     def build_default(self, setup: ScriptSetup):
-        from prefixdpo.tools.demo_grpo import build_group_demo_for_run
+        from prefixdpo_tools.demo_grpo import build_group_demo_for_run
 
         demo = build_group_demo_for_run(os.path.join(setup.config.output_dir, "demo-base"), setup.config)
         print(f"Embedded default built in {demo.model_dir.parent}.")

@@ -86,7 +86,7 @@ def register(subparsers) -> None:
 
 
 def _shape(model_config: str | None):
-    from prefixdpo.tools.bench.flops import LLAMA_3_1_8B, ModelShape
+    from prefixdpo_tools.bench.flops import LLAMA_3_1_8B, ModelShape
 
     if model_config is None:
         return LLAMA_3_1_8B, "Llama-3.1-8B"
@@ -126,7 +126,7 @@ def run(args) -> int:
     grouped, _ = group_by_prompt(prepared.examples)  # what --group_by_prompt would run, reported apart
     speedup = grouped_speedup = None
     if shape is not None:
-        from prefixdpo.tools.bench.flops import ideal_speedup
+        from prefixdpo_tools.bench.flops import ideal_speedup
 
         speedup = ideal_speedup(shape, prepared.examples)
         grouped_speedup = ideal_speedup(shape, prepared.examples, shared_rows=grouped)
@@ -180,7 +180,7 @@ def _with_trie(stats, examples, grouped, shape):
     lines = [[examples[i] for i in line] for line in plan_tree_lines(examples, stats.pack_length).lines]
     speedup = None
     if shape is not None:
-        from prefixdpo.tools.bench.flops import standard_flops, trie_flop_count
+        from prefixdpo_tools.bench.flops import standard_flops, trie_flop_count
 
         speedup = (sum(standard_flops(shape, ex) for ex in examples)
                    / sum(trie_flop_count(shape, line).total for line in lines))

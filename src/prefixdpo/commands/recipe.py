@@ -3,7 +3,7 @@
     options  -> `[config.yaml] [--option value ...]` parsed into the command's option dataclasses (`--help` prints
                 them); options without effect stated (TRL's) or refused (ours); TRL's PEFT and `from_pretrained`
                 configs built from the model options, before any work
-    defaults -> the embedded default (`prefixdpo.tools.demo*`) built where no model or no dataset is named
+    defaults -> the embedded default (`prefixdpo_tools.demo*`) built where no model or no dataset is named
     inputs   -> the model, its tokenizer, the training and held-out data (`load`: in the command's order, each
                 data report printed)
     trainer  -> built from them (`make_trainer`); `--ignore_bias_buffers` applied before `train` wraps the model
@@ -218,7 +218,7 @@ class PreferenceRecipe(Recipe):
         self.options_at, self.train_metric, self.saved = options_at, train_metric, saved
 
     def build_default(self, setup: ScriptSetup):
-        from prefixdpo.tools.demo import build_demo_for_run
+        from prefixdpo_tools.demo import build_demo_for_run
 
         demo = build_demo_for_run(os.path.join(setup.config.output_dir, "demo-base"), setup.config)
         print(self.default_line(setup, demo))

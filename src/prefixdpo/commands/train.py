@@ -1,6 +1,6 @@
 """`prefixdpo train [config.yaml] [--model M] [--dataset D] [--output-dir DIR] [--any-config-option V ...]`.
 
-Without `--model` the model is the embedded default (a small Llama built locally, `prefixdpo.tools.demo`);
+Without `--model` the model is the embedded default (a small Llama built locally, `prefixdpo_tools.demo`);
 without `--dataset` the data is the default's generated preference set. With neither, the run uses
 hyper-parameters suited to that random-init model (any of them can still be overridden); this is what
 `make demo` runs. Every other option is a `PrefixDPOConfig` / `DPOModelArguments` / `DataArguments` field

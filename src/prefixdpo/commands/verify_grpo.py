@@ -13,7 +13,7 @@ from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.model_checks import check_model_supported
 from prefixdpo.core.models import load_causal_lm, load_tokenizer
 from prefixdpo.core.verify import stock_implementation
-from prefixdpo.tools.demo_grpo import build_group_demo
+from prefixdpo_tools.demo_grpo import build_group_demo
 from prefixdpo.grpo.verify import DEFAULT_GROUPS, group_rows, read_groups, run_group_verify
 
 

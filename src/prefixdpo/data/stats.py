@@ -8,7 +8,7 @@
   lines of tries, `data.tree.plan_tree_lines`: each line's shared leading tokens once);
 - packing efficiency: real tokens / (packs x pack length) when the shared rows are bin-packed
   (`packing.plan_packs`) at the chosen pack length (`auto` = 1.1 x p95 rounded up to 128);
-- predicted speedup: the useful-FLOP model of `prefixdpo.tools.bench.flops` (body matmuls + allowed attention pairs + LM
+- predicted speedup: the useful-FLOP model of `prefixdpo_tools.bench.flops` (body matmuls + allowed attention pairs + LM
   head at response-predicting positions, standard DPO / prefix sharing) for a given model shape.
 """
 

@@ -4,7 +4,7 @@ The paper (Wang & Hegde, "Accelerating Direct Preference Optimization with Prefi
 2410.20305) reports, per dataset, the median overall length (prompt + ONE completion) and the median
 prompt/completion ratio. Benchmarks and tests use these profiles instead of downloading the datasets: what
 prefix sharing saves depends only on the lengths, never on the token values. The paper's measured
-throughputs are in `prefixdpo.tools.bench.paper`.
+throughputs are in `prefixdpo_tools.bench.paper`.
 
 Assumptions of ours (the paper gives medians only):
 - prompt and each response length are lognormal around their medians with the profile's `sigma`

@@ -1,4 +1,4 @@
-"""`make gpu-check`: the GPU route proved in one command (`python -m prefixdpo.tools.gpu_check`; see `main`).
+"""`make gpu-check`: the GPU route proved in one command (`python -m prefixdpo_tools.gpu_check`; see `main`).
 
 - `main`: the command, its sections, plan and budget;
 - `dpo`: the DPO checks (verify, train, QLoRA, bench); `grpo`: the GRPO checks (imported only where TRL is);
@@ -24,5 +24,5 @@ __all__ = list(_HOME_OF)
 
 def __getattr__(name: str):
     if name in _HOME_OF:
-        return getattr(importlib.import_module(f"prefixdpo.tools.gpu_check.{_HOME_OF[name]}"), name)
+        return getattr(importlib.import_module(f"prefixdpo_tools.gpu_check.{_HOME_OF[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from prefixdpo.tools.bench.flops import ModelShape
+from prefixdpo_tools.bench.flops import ModelShape
 
 __all__ = ["DEFAULT_SHAPE", "QUICK_SHAPE", "MEDIUM_SHAPE", "SHAPES", "llama_config", "build_models"]
 

@@ -203,9 +203,9 @@ def report(result: ReuseResult, examples: list[Example], meta: dict) -> str:
 
 def run(args, *, threads: int) -> int:
     """`prefixdpo bench --task reuse` (module docstring)."""
-    from prefixdpo.tools.bench.clock import step_clock
-    from prefixdpo.tools.bench.memory import PeakMemory
-    from prefixdpo.tools.bench.model import SHAPES, build_models
+    from prefixdpo_tools.bench.clock import step_clock
+    from prefixdpo_tools.bench.memory import PeakMemory
+    from prefixdpo_tools.bench.model import SHAPES, build_models
 
     torch.set_num_threads(threads)
     clock = step_clock(args.clock, args.device)

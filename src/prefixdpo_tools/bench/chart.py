@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefixdpo.atomic_io import atomic_path
-from prefixdpo.tools.bench.runner import ProfileResult
+from prefixdpo_tools.bench.runner import ProfileResult
 
 __all__ = ["MODE_COLOURS", "plot_results"]
 

@@ -23,15 +23,15 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.tools.bench.memory import PeakMemory
-from prefixdpo.tools.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
-from prefixdpo.tools.bench.paper import PAPER
-from prefixdpo.tools.bench.results import ModeRun, WorkloadRun
-from prefixdpo.tools.bench.roofline import Roofline, RooflineProbe
-from prefixdpo.tools.bench.spread import Spread
-from prefixdpo.tools.bench.step import DPOStep
-from prefixdpo.tools.bench.workloads import Workload
-from prefixdpo.tools.bench.flops import ModelShape, ideal_speedup, step_flop_totals, step_ideals
+from prefixdpo_tools.bench.memory import PeakMemory
+from prefixdpo_tools.bench.modes import GROUPED_MODE, MODES, TRIE_MODE, common_pack_length, layout_group
+from prefixdpo_tools.bench.paper import PAPER
+from prefixdpo_tools.bench.results import ModeRun, WorkloadRun
+from prefixdpo_tools.bench.roofline import Roofline, RooflineProbe
+from prefixdpo_tools.bench.spread import Spread
+from prefixdpo_tools.bench.step import DPOStep
+from prefixdpo_tools.bench.workloads import Workload
+from prefixdpo_tools.bench.flops import ModelShape, ideal_speedup, step_flop_totals, step_ideals
 from prefixdpo.data.grouping import group_by_prompt
 from prefixdpo.data.tree import tree_line
 

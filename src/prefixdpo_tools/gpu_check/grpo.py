@@ -16,22 +16,22 @@ from pathlib import Path
 
 import torch
 
-from prefixdpo.tools.bench.grpo import (
+from prefixdpo_tools.bench.grpo import (
     PROFILES,
     GroupTrainingStep,
     build_bench_trainer,
     run_profile,
     synthetic_rollouts,
 )
-from prefixdpo.tools.bench.grpo_step import time_whole_step
-from prefixdpo.tools.bench.reward import build_reward_model
-from prefixdpo.tools.bench.flops import ModelShape
+from prefixdpo_tools.bench.grpo_step import time_whole_step
+from prefixdpo_tools.bench.reward import build_reward_model
+from prefixdpo_tools.bench.flops import ModelShape
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-from prefixdpo.tools.bench.model import llama_config
+from prefixdpo_tools.bench.model import llama_config
 from prefixdpo.core.models import load_causal_lm
 from prefixdpo.grpo.verify import build_verify_trainer, compare_group_pass, random_group_rows, verify_cases
-from prefixdpo.tools.gpu_check.results import CheckResult
-from prefixdpo.tools.gpu_check.tiny_models import tiny_causal_lm
+from prefixdpo_tools.gpu_check.results import CheckResult
+from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
 
 VERIFY_ARCHS = ("llama", "qwen2")
 

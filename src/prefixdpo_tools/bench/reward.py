@@ -17,7 +17,7 @@ import torch
 from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
-from prefixdpo.tools.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
+from prefixdpo_tools.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.core.scores import compute_response_scores
 
@@ -49,7 +49,7 @@ def build_reward_model(model: str | ModelShape, *, device: str, dtype: torch.dty
     shape, or a checkpoint loaded as one; prepared for prefixdpo's attention, training mode."""
     from transformers import AutoModelForSequenceClassification
 
-    from prefixdpo.tools.bench.model import llama_config
+    from prefixdpo_tools.bench.model import llama_config
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.reward.model import load_reward_model
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from prefixdpo.tools.bench.clock import step_clock
-from prefixdpo.tools.bench.grpo import (
+from prefixdpo_tools.bench.clock import step_clock
+from prefixdpo_tools.bench.grpo import (
     MODES,
     PROFILES,
     GroupProfileResult,
@@ -26,11 +26,11 @@ from prefixdpo.tools.bench.grpo import (
     run_profile,
     synthetic_rollouts,
 )
-from prefixdpo.tools.bench.grpo_step import PHASES, PhaseTime, WholeStep, time_whole_step
-from prefixdpo.tools.bench.reward import build_reward_model
-from prefixdpo.tools.bench.model import SHAPES, llama_config
+from prefixdpo_tools.bench.grpo_step import PHASES, PhaseTime, WholeStep, time_whole_step
+from prefixdpo_tools.bench.reward import build_reward_model
+from prefixdpo_tools.bench.model import SHAPES, llama_config
 from prefixdpo.errors import ConfigError
-from prefixdpo.tools.bench.flops import ModelShape
+from prefixdpo_tools.bench.flops import ModelShape
 from prefixdpo.atomic_io import atomic_write_text
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo.core.models import load_causal_lm, load_tokenizer
@@ -141,7 +141,7 @@ def _meta(args, trainer, reward_model, settings: dict, results, *, model_desc: s
 
 
 def run_group_bench(args, *, threads: int) -> int:
-    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo.tools.bench.grpo`)."""
+    """`prefixdpo bench --task grpo` (see the module doc and `prefixdpo_tools.bench.grpo`)."""
     from tqdm.auto import tqdm
 
     cuda = args.device.startswith("cuda")

@@ -1,4 +1,4 @@
-"""The DPO sections of `make gpu-check` (`prefixdpo.tools.gpu_check.main` runs them).
+"""The DPO sections of `make gpu-check` (`prefixdpo_tools.gpu_check.main` runs them).
 
 - verify: `prefixdpo verify`'s cases on tiny Llama, Qwen2, Qwen3, Mistral and Gemma-2 per dtype and backend
   (`verify_check`);
@@ -22,9 +22,9 @@ try:
 except ImportError:  # `make gpu-check` on a python without torch: main() says so in one line
     torch = None
 
-from prefixdpo.tools.bench.flops import ModelShape
-from prefixdpo.tools.gpu_check.results import CheckResult
-from prefixdpo.tools.gpu_check.tiny_models import tiny_causal_lm
+from prefixdpo_tools.bench.flops import ModelShape
+from prefixdpo_tools.gpu_check.results import CheckResult
+from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
 
 __all__ = ["ARCHS", "DTYPES", "BENCH_SHAPE", "QLORA_CHECK", "bench_profiles", "verify_check", "train_check",
            "qlora_check", "bench_section"]
@@ -96,8 +96,8 @@ def verify_check(arch: str, dtype_name: str, backend: str, device: str) -> Check
 def train_check(backend: str, device: str, steps: int = TRAIN_STEPS) -> CheckResult:
     """`steps` SGD steps from the same weights, standard pairs ("paired") vs prefix-shared packed rows
     ("shared-packed", one line per step), fp32: per-step mean losses and final weights compared."""
-    from prefixdpo.tools.bench.modes import layout_group
-    from prefixdpo.tools.bench.step import dpo_losses
+    from prefixdpo_tools.bench.modes import layout_group
+    from prefixdpo_tools.bench.step import dpo_losses
     from prefixdpo.data.synthetic import synthetic_examples
     from prefixdpo.core.model_checks import prepare_model
 
@@ -221,10 +221,10 @@ def bench_detail(r) -> tuple[str, dict]:
 def bench_section(backends: list[str], device: str, deadline: float, *, examples: int, per_step: int,
                   repeats: int, warmup: int, log=print) -> list[CheckResult]:
     """Every profile x backend on BENCH_SHAPE in bf16, until `deadline` (time.monotonic())."""
-    from prefixdpo.tools.bench.model import build_models
-    from prefixdpo.tools.bench.runner import run_workload
-    from prefixdpo.tools.bench.step import DPOStep
-    from prefixdpo.tools.bench.workloads import synthetic_workload
+    from prefixdpo_tools.bench.model import build_models
+    from prefixdpo_tools.bench.runner import run_workload
+    from prefixdpo_tools.bench.step import DPOStep
+    from prefixdpo_tools.bench.workloads import synthetic_workload
     from prefixdpo.core.model_checks import prepare_model
 
     results = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from prefixdpo.tools.bench.runner import ProfileResult
+from prefixdpo_tools.bench.runner import ProfileResult
 
 __all__ = ["to_json", "markdown_report", "aims"]
 

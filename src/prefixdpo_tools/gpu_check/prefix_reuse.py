@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.tools.gpu_check.results import CheckResult, guarded
+from prefixdpo_tools.gpu_check.results import CheckResult, guarded
 
 __all__ = ["ARCHS", "planned", "reuse_check", "section"]
 
@@ -62,7 +62,7 @@ def reuse_check(arch: str, backend: str, device: str) -> CheckResult:
     from prefixdpo.core.attention.reuse_plan import plan_reuse
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.core.verify import DTYPE_TOLERANCES
-    from prefixdpo.tools.gpu_check.tiny_models import tiny_causal_lm
+    from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
 
     dtype = torch.bfloat16 if backend == "varlen" else torch.float32
     model = tiny_causal_lm(arch, dtype, device)

@@ -37,7 +37,7 @@ def _setting(args, name: str, cuda: bool):
 
 
 def _workloads(args, settings, vocab_size: int):
-    from prefixdpo.tools.bench.workloads import dataset_workload
+    from prefixdpo_tools.bench.workloads import dataset_workload
     from prefixdpo.data.synthetic import BENCH_PROFILES as PROFILES  # the paper's six + multi-response
     from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
 
@@ -60,7 +60,7 @@ def _workload(name: str, profile, settings, vocab_size: int, seed: int):
     """The workload of one profile. A shared-prefix profile counts prompts: `examples` of them and `per_step` per
     step, halved where a prompt holds several pair records (an shp-like post holds 5-10, a multi-turn dialogue
     3-5), so its steps stay near the other profiles' size."""
-    from prefixdpo.tools.bench.workloads import shared_prefix_workload, synthetic_workload
+    from prefixdpo_tools.bench.workloads import shared_prefix_workload, synthetic_workload
     from prefixdpo.data.synthetic import SHARED_PREFIX_PROFILES
 
     scale = _length_scale(settings["length_scale"], profile)
@@ -94,12 +94,12 @@ def settings_of(args, cuda: bool) -> dict:
 
 def build_stepper(args, settings: dict, dtype, backend: str):
     """(policy, its shape, the step every mode runs): a DPO step (policy + reference) or a reward-model step."""
-    from prefixdpo.tools.bench.model import SHAPES, build_models
-    from prefixdpo.tools.bench.step import DPOStep
+    from prefixdpo_tools.bench.model import SHAPES, build_models
+    from prefixdpo_tools.bench.step import DPOStep
 
     model = args.model or SHAPES[settings["model_size"]]
     if args.task == "reward":
-        from prefixdpo.tools.bench.reward import RewardStep, build_reward_model
+        from prefixdpo_tools.bench.reward import RewardStep, build_reward_model
 
         policy, shape = build_reward_model(model, device=args.device, dtype=dtype, backend=backend, seed=args.seed,
                                            trust_remote_code=args.trust_remote_code)
@@ -112,11 +112,11 @@ def build_stepper(args, settings: dict, dtype, backend: str):
 def roofline_probe(task: str, dtype: torch.dtype, cuda: bool):
     """The roofline's matmul (`bench.roofline`): 2048^3 on CPU, 8192^3 on CUDA, in the step's dtype; a reward step
     runs 3 forwards' worth (forward, backward) without the LM head, a DPO step 4 (the reference's forward too)."""
-    from prefixdpo.tools.bench.roofline import RooflineProbe
+    from prefixdpo_tools.bench.roofline import RooflineProbe
 
     n = 8192 if cuda else 2048
     if task == "reward":
-        from prefixdpo.tools.bench.reward import no_head
+        from prefixdpo_tools.bench.reward import no_head
 
         return RooflineProbe(dtype, n, forwards_per_step=3, keep=no_head)
     return RooflineProbe(dtype, n)
@@ -125,8 +125,8 @@ def roofline_probe(task: str, dtype: torch.dtype, cuda: bool):
 def reward_figures(workloads, results, shape) -> None:
     """A reward model's ideal and FLOP split in place of DPO's (the paper measured DPO: its numbers are not this
     task's)."""
-    from prefixdpo.tools.bench.flops import step_ideals
-    from prefixdpo.tools.bench.reward import no_head, reward_flop_split, reward_ideal_speedup
+    from prefixdpo_tools.bench.flops import step_ideals
+    from prefixdpo_tools.bench.reward import no_head, reward_flop_split, reward_ideal_speedup
 
     for w, r in zip(workloads, results):
         r.ideal, r.paper = reward_ideal_speedup(shape, w.examples), None
@@ -137,7 +137,7 @@ def reward_figures(workloads, results, shape) -> None:
 def run_meta(args, settings: dict, shape, backend: str, line_per_step: bool, line_multiple: int,
              elapsed: float) -> dict:
     """The facts the report opens with: task, device, model, settings, memory method, timing."""
-    from prefixdpo.tools.bench.memory import PeakMemory
+    from prefixdpo_tools.bench.memory import PeakMemory
 
     cuda = args.device.startswith("cuda")
     model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "
@@ -168,8 +168,8 @@ def run_meta(args, settings: dict, shape, backend: str, line_per_step: bool, lin
 
 def write_report(results, meta: dict, out: Path) -> None:
     """bench.md (printed too), bench.json and bench.png in `out`."""
-    from prefixdpo.tools.bench.chart import plot_results
-    from prefixdpo.tools.bench.report import markdown_report, to_json
+    from prefixdpo_tools.bench.chart import plot_results
+    from prefixdpo_tools.bench.report import markdown_report, to_json
 
     md = markdown_report(results, meta)
     atomic_write_text(str(out / "bench.md"), md)
@@ -180,11 +180,11 @@ def write_report(results, meta: dict, out: Path) -> None:
 
 
 def run_pair_bench(args, *, threads: int) -> int:
-    """`prefixdpo bench --task dpo|reward` (see the module doc and `prefixdpo.tools.bench.runner`)."""
+    """`prefixdpo bench --task dpo|reward` (see the module doc and `prefixdpo_tools.bench.runner`)."""
     from tqdm.auto import tqdm
 
-    from prefixdpo.tools.bench.clock import step_clock
-    from prefixdpo.tools.bench.runner import run_workload, workload_modes
+    from prefixdpo_tools.bench.clock import step_clock
+    from prefixdpo_tools.bench.runner import run_workload, workload_modes
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():

@@ -23,7 +23,7 @@ from prefixdpo.core.attention.backends import batch_attention_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
-from prefixdpo.tools.bench.memory import PeakMemory
+from prefixdpo_tools.bench.memory import PeakMemory
 
 
 @dataclass(frozen=True)

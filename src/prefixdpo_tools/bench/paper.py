@@ -112,5 +112,5 @@ def format_profile_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m prefixdpo.tools.bench.paper
+if __name__ == "__main__":  # python -m prefixdpo_tools.bench.paper
     print(format_profile_report(profile_report()))

@@ -3,7 +3,7 @@
 - prompts: a long instruction every prompt shares (~40 tokens), a note of filler sentences and a short task:
   ~100 tokens, against completions of at most 16. Each prompt runs once per pass instead of G = 8 times: the
   shape where prefix sharing pays;
-- model: the DPO demo's randomly initialised Llama-shaped model (`prefixdpo.tools.demo.build_model`) over a byte-level
+- model: the DPO demo's randomly initialised Llama-shaped model (`prefixdpo_tools.demo.build_model`) over a byte-level
   BPE trained on these prompts;
 - reward: `vowel_share`, the share of a completion's non-space characters that are vowels. A random-init policy
   scores about 0.3; GRPO moves it toward completions made of vowel-heavy tokens without having to read the
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from prefixdpo.atomic_io import TMP_MARK, replace_folder
 
-from prefixdpo.tools.demo import WORDS, DemoSpec, filler_note
-from prefixdpo.tools.demo import build_model as build_demo_model
+from prefixdpo_tools.demo import WORDS, DemoSpec, filler_note
+from prefixdpo_tools.demo import build_model as build_demo_model
 
 from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 

@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from prefixdpo.tools.gpu_check.results import CheckResult
+from prefixdpo_tools.gpu_check.results import CheckResult
 
 __all__ = ["ROW", "head_shard_check", "planned", "section", "two_rank_check"]
 
@@ -40,7 +40,7 @@ def _layer_and_line(device, dtype):
 
     from prefixdpo.core.attention.backends import ATTENTION_NAME
     from prefixdpo.data.batch import build_batch
-    from prefixdpo.tools.bench.sequence_parallel import long_row
+    from prefixdpo_tools.bench.sequence_parallel import long_row
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -82,13 +82,13 @@ def two_rank_check(backend: str, device: str) -> CheckResult:
         return CheckResult("sequence parallel", name, "n/a",
                            f"needs 2 CUDA devices (NCCL puts one rank on each); this machine has "
                            f"{torch.cuda.device_count()}")
-    from prefixdpo.tools.bench.sequence_parallel import long_row, measure_row
+    from prefixdpo_tools.bench.sequence_parallel import long_row, measure_row
 
     one = measure_row(_model(device), long_row(ROW[0], ROW[1], 96), backend, device).as_dict()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "-m", "prefixdpo.tools.gpu_check.sequence_parallel", out, backend],
+                               "-m", "prefixdpo_tools.gpu_check.sequence_parallel", out, backend],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return CheckResult("sequence parallel", name, "error", (proc.stderr or proc.stdout)[-300:])
@@ -118,7 +118,7 @@ def _model(device):
 
 
 def section(backends: list[str], device: str, log=print) -> list[CheckResult]:
-    from prefixdpo.tools.gpu_check.results import guarded
+    from prefixdpo_tools.gpu_check.results import guarded
 
     results = []
     for b in backends:
@@ -132,7 +132,7 @@ def section(backends: list[str], device: str, log=print) -> list[CheckResult]:
 def _rank_main(out: str, backend: str) -> None:
     """One rank of `two_rank_check`: its measurement, every rank's written by rank 0."""
     from prefixdpo.core.sequence_parallel import new_sequence_parallel
-    from prefixdpo.tools.bench.sequence_parallel import long_row, measure_row
+    from prefixdpo_tools.bench.sequence_parallel import long_row, measure_row
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from prefixdpo.tools.bench.spread import Spread
+from prefixdpo_tools.bench.spread import Spread
 
 
 @dataclass

@@ -1,2 +1,2 @@
 """Benchmarks: the side-by-side standard vs prefix-shared runs (the useful-FLOP model is
-`prefixdpo.tools.bench.flops`)."""
+`prefixdpo_tools.bench.flops`)."""

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.tools.bench.spread import Spread
+from prefixdpo_tools.bench.spread import Spread
 
 __all__ = ["RooflineProbe", "Roofline", "matmul_gflops", "MODE_LAYOUT"]
 

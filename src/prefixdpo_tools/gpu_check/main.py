@@ -1,6 +1,6 @@
 """`make gpu-check`: the GPU route proved in one command, on one CUDA device, in under 8 minutes.
 
-    PYTHONPATH=src python3 -m prefixdpo.tools.gpu_check [--out DIR] [--budget-s S]
+    PYTHONPATH=src python3 -m prefixdpo_tools.gpu_check [--out DIR] [--budget-s S]
         [--sections verify,train,sp,reuse,bench,grpo]
 
 Six sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
@@ -21,7 +21,7 @@ Six sections, each a list of checks; a table on stdout, and gpu-check.json + gpu
 - reuse (`gpu_check.prefix_reuse`): prefix reuse on tiny Llama and Qwen2, per backend: two long lines' policy pass
   and backward as one row each and with prefix reuse (3-5 chunks a line), sums and gradients within `verify`'s
   tolerances of the dtype; flex's and varlen's masks over external keys run nowhere else.
-- bench: `prefixdpo.tools.bench` on a compute-bound Llama shape (hidden 2048, 8 layers, bf16, rows up to 4096
+- bench: `prefixdpo_tools.bench` on a compute-bound Llama shape (hidden 2048, 8 layers, bf16, rows up to 4096
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
   Bench runs stop at the time budget (the rest are listed as skipped); they never fail the run.
@@ -51,13 +51,13 @@ try:
 except ImportError:  # `make gpu-check` on a python without torch: main() says so in one line
     torch = None
 
-from prefixdpo.tools.bench.flops import ModelShape
-from prefixdpo.tools.gpu_check.dpo import (
+from prefixdpo_tools.bench.flops import ModelShape
+from prefixdpo_tools.gpu_check.dpo import (
     ARCHS, BENCH_MAX_LENGTH, BENCH_SHAPE, DTYPES, QLORA_CHECK, bench_profiles, bench_section, qlora_check,
     train_check, verify_check,
 )
-from prefixdpo.tools.gpu_check import prefix_reuse, sequence_parallel
-from prefixdpo.tools.gpu_check.results import CheckResult, format_table, guarded, verdict, write_reports, exit_status
+from prefixdpo_tools.gpu_check import prefix_reuse, sequence_parallel
+from prefixdpo_tools.gpu_check.results import CheckResult, format_table, guarded, verdict, write_reports, exit_status
 
 __all__ = ["SECTIONS", "GRPO_ARCHS", "GRPO_PROFILES", "attention_backends", "planned_checks", "grpo_missing",
            "grpo_section", "main"]
@@ -113,7 +113,7 @@ def grpo_section(backends: list[str], device: str, deadline: float, *, bench: bo
         log(line)
         return [CheckResult("grpo verify", "all", "skipped", line.split(": ", 2)[2])]
     from prefixdpo.core.verify import DTYPE_TOLERANCES
-    from prefixdpo.tools.gpu_check import grpo
+    from prefixdpo_tools.gpu_check import grpo
 
     results = []
     for arch in GRPO_ARCHS:

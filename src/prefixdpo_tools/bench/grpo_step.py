@@ -37,9 +37,9 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.tools.bench.flops import FlopCount, ModelShape, forward_flops
-from prefixdpo.tools.bench.grpo import GroupProfileResult, Rollout, _sync
-from prefixdpo.tools.bench.memory import PeakMemory
+from prefixdpo_tools.bench.flops import FlopCount, ModelShape, forward_flops
+from prefixdpo_tools.bench.grpo import GroupProfileResult, Rollout, _sync
+from prefixdpo_tools.bench.memory import PeakMemory
 from prefixdpo.core.verify import stock_attention
 from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed, group_prompt_rows
 from prefixdpo.grpo.reward_models import group_examples, shared_reward_scores

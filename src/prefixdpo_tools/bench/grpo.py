@@ -34,12 +34,12 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.tools.bench.flops import FlopCount, ModelShape, forward_flops, shared_flop_count, standard_flop_count
+from prefixdpo_tools.bench.flops import FlopCount, ModelShape, forward_flops, shared_flop_count, standard_flop_count
 
-from prefixdpo.tools.bench.memory import PeakMemory
+from prefixdpo_tools.bench.memory import PeakMemory
 
-from prefixdpo.tools.bench.results import ModeRun, WorkloadRun
-from prefixdpo.tools.bench.spread import Spread
+from prefixdpo_tools.bench.results import ModeRun, WorkloadRun
+from prefixdpo_tools.bench.spread import Spread
 
 from prefixdpo.errors import UserError
 
