@@ -274,3 +274,24 @@ def test_a_warning_at_start_when_one_checkpoint_will_not_fit(base, monkeypatch, 
     capsys.readouterr()
     assert _train(base, base / "no-saves", "--max_steps", "1", "--save_strategy", "no") == 0
     assert not _lines(capsys.readouterr().err, "warning:")
+
+
+def test_safetensors_quoting_a_full_disk_is_said_as_such(base, monkeypatch, capsys):
+    """safetensors reports ENOSPC as a SafetensorError quoting Rust's io::Error: the same one line, here for the
+    model file of the first checkpoint (none complete before it)."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # what fitted before the disk filled
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    out = base / "safetensors-full"
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    capsys.readouterr()
+    assert _train(base, out) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line == (f"prefixdpo train: error: checkpoint-2 could not be saved in {out}: no space left on device; no "
+                    "complete checkpoint was saved before it (free space and run again)")
+    assert os.listdir(out) == [] and "Model saved" not in captured.out
