@@ -122,8 +122,9 @@ def test_a_named_corrupt_checkpoint_is_refused_in_one_line(base, two_checkpoints
     captured = capsys.readouterr()
     (line,) = captured.err.strip().splitlines()
     assert re.fullmatch(rf"prefixdpo train: error: resume_from_checkpoint={re.escape(str(out / 'checkpoint-4'))} "
-                        r"cannot be resumed: model\.safetensors does not match its digest \(written [0-9a-f]{12}\.\.\., "
-                        r"now [0-9a-f]{12}\.\.\.\): its content changed after the save", line), line
+                        r"cannot be resumed: model\.safetensors does not match its digest "
+                        r"\(written [0-9a-f]{12}\.\.\., now [0-9a-f]{12}\.\.\.\): its content changed after the "
+                        r"save", line), line
     assert not (out / "checkpoint-6").exists() and "Model saved" not in captured.out
 
 
@@ -134,8 +135,8 @@ def test_latest_with_no_valid_checkpoint_is_one_line_and_exit_2(base, capsys):
     capsys.readouterr()
     assert _train(base, out, "--resume_from_checkpoint", "latest") == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"prefixdpo train: error: resume_from_checkpoint='latest': no complete, valid checkpoint "
-                           f"in {out} (checkpoint-2: optimizer.pt does not match its digest (written ")
+    assert line.startswith(f"prefixdpo train: error: resume_from_checkpoint='latest': no complete, valid "
+                           f"checkpoint in {out} (checkpoint-2: optimizer.pt does not match its digest (written ")
     assert line.endswith("run without --resume_from_checkpoint to start again from step 0")
     assert (out / "checkpoint-2").is_dir()  # refused, not deleted: the user decides
 

@@ -59,6 +59,7 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 
 
 def _is_load_error(err: BaseException) -> bool:
+    """Whether `err`, one of `LOAD_ERRORS`, is a file that does not load (a RuntimeError only if torch's reader's)."""
     return not isinstance(err, RuntimeError) or "PytorchStreamReader" in str(err)
 
 
@@ -297,7 +298,6 @@ class SurvivingRun:
         line = disk_space.short_space_warning(self.args.output_dir, self.model,
                                               bool(getattr(self.args, "save_only_model", False)))
         if line:
-            logger.debug("%s", line)
             print(f"prefixdpo: {line}", file=sys.stderr, flush=True)
 
     def evaluate(self, *args, **kwargs):
