@@ -296,3 +296,28 @@ def test_safetensors_quoting_a_full_disk_is_said_as_such(base, monkeypatch, caps
     assert line == (f"prefixdpo train: error: checkpoint-2 could not be saved in {out}: no space left on device; no "
                     "complete checkpoint was saved before it (free space and run again)")
     assert os.listdir(out) == [] and "Model saved" not in captured.out
+
+
+def test_the_cause_of_a_failed_save_in_each_disguise(tmp_path, monkeypatch):
+    """What `save_failure_cause` reads from each writer's error (the command-line tests above show the lines)."""
+    from safetensors import SafetensorError
+
+    cause = disk_space.save_failure_cause
+    assert cause(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path)) == "no space left on device"
+    assert cause(OSError(errno.EDQUOT, "Disk quota exceeded"), str(tmp_path)) == "disk quota exceeded"
+    assert cause(OSError(errno.EIO, "Input/output error"), str(tmp_path)) == "input/output error"
+    assert cause(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                 str(tmp_path)) == "no space left on device"
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert cause(wrapped, str(tmp_path)) == "no space left on device"
+    opaque = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4672 vs 4560")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=10 << 30))
+    assert cause(opaque, str(tmp_path / "not-yet")) == (
+        "a write failed (torch: [enforce fail at inline_container.cc:672] . unexpected pos 4672 vs 4560; 10.0 GiB free)")
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=0))
+    assert cause(opaque, str(tmp_path / "not-yet")) == "no space left on device"
+    # anything else is a bug: no cause, its traceback kept
+    assert cause(RuntimeError("shape mismatch"), str(tmp_path)) is None
+    assert cause(OSError(errno.ENOENT, "No such file or directory"), str(tmp_path)) is None
