@@ -315,7 +315,8 @@ def test_the_cause_of_a_failed_save_in_each_disguise(tmp_path, monkeypatch):
     real_usage = shutil.disk_usage
     monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=10 << 30))
     assert cause(opaque, str(tmp_path / "not-yet")) == (
-        "a write failed (torch: [enforce fail at inline_container.cc:672] . unexpected pos 4672 vs 4560; 10.0 GiB free)")
+        "a write failed (torch: [enforce fail at inline_container.cc:672] . unexpected pos 4672 vs 4560; "
+        "10.0 GiB free)")
     monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=0))
     assert cause(opaque, str(tmp_path / "not-yet")) == "no space left on device"
     # anything else is a bug: no cause, its traceback kept
