@@ -7,9 +7,10 @@ example's tokens and pairs; for GRPO/RLOO every prompt record and the reward fun
 
 A checkpoint is staged in a hidden folder (`.checkpoint-N.staging/checkpoint-N`, which neither Trainer nor we
 read), and renamed to `checkpoint-N` only when every rank has written its files and our state file — the last
-file, holding the fingerprint, a manifest of every file's size and whether the weights were finite — is on disk.
-So a `checkpoint-N` folder is whole; a folder without our state file, or whose files differ from its manifest,
-was written by something else (or torn by something else) and is never resumed from.
+file, holding the fingerprint, a manifest of every file's size and content digest (`checkpoint_integrity`) and
+whether the weights were finite — is on disk. So a `checkpoint-N` folder is whole; a folder without our state
+file, or whose files differ from its manifest (size or digest) or do not load, was written, torn or corrupted by
+something else and is never resumed from: `latest` passes over it, naming it and why.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from prefixdpo.atomic_io import atomic_write_json, replace_folder
 from prefixdpo.errors import UserError
+from prefixdpo.training import checkpoint_integrity
 
 STATE_FILE = "prefixdpo_state.json"  # our state in each checkpoint: written last, the mark of a complete one
 RUN_FILE = "prefixdpo_run.json"  # beside an exported model: the fingerprint of the run that wrote it
@@ -148,9 +150,13 @@ def file_manifest(folder: str) -> dict[str, int]:
     return out
 
 
-def checkpoint_problem(checkpoint: str, fingerprint: dict | None) -> tuple[str, str] | None:
+def checkpoint_problem(checkpoint: str, fingerprint: dict | None, *,
+                       verify_content: bool = True) -> tuple[str, str] | None:
     """None if `checkpoint` is complete, of this run and finite; else (kind, why) with kind 'foreign' (written
-    by another run) or 'unusable' (incomplete, torn, or non-finite weights)."""
+    by another run) or 'unusable' (incomplete, torn, corrupted, not loadable, or non-finite weights).
+
+    `verify_content` reads every file back: its digest against the one written at save, and whether it loads
+    (`checkpoint_integrity`); without it only sizes are compared (to name a checkpoint in a message, cheaply)."""
     state = read_state(checkpoint)
     if state is None:
         return "unusable", f"no readable {STATE_FILE} (incomplete, or not written by this version of prefixdpo)"
@@ -166,7 +172,22 @@ def checkpoint_problem(checkpoint: str, fingerprint: dict | None) -> tuple[str, 
         return "unusable", f"{torn[0]} holds {on_disk[torn[0]]} bytes, {manifest[torn[0]]} when saved"
     if not state.get("weights_finite", False):
         return "unusable", "its weights hold NaN/inf"
+    if verify_content:
+        digests = state.get("digests")
+        why = checkpoint_integrity.digest_problem(checkpoint, digests) if isinstance(digests, dict) else None
+        why = why or checkpoint_integrity.load_problem(checkpoint, manifest, check_crc=not isinstance(digests, dict))
+        if why:
+            return "unusable", why
     return None
+
+
+def unproven_note(checkpoint: str) -> str | None:
+    """A note when `checkpoint` was sealed without content digests (by a prefixdpo before them), else None."""
+    state = read_state(checkpoint)
+    if state is None or isinstance(state.get("digests"), dict):
+        return None
+    return (f"{os.path.basename(checkpoint)} was saved without content digests (an older prefixdpo): its sizes, "
+            "structure and stored CRCs were checked, not every byte")
 
 
 @dataclass
@@ -175,6 +196,11 @@ class ResumePoint:
 
     path: str
     skipped: list[tuple[str, str]]
+
+    def notes(self) -> list[str]:
+        """One line per checkpoint passed over, naming it, why, and the one resumed instead."""
+        chosen = os.path.basename(self.path)
+        return [f"skipped {path}: {why}; resuming from {chosen} instead" for path, why in self.skipped]
 
 
 def choose_latest(output_dir: str, fingerprint: dict) -> ResumePoint:
@@ -193,7 +219,8 @@ def choose_latest(output_dir: str, fingerprint: dict) -> ResumePoint:
     if not skipped:
         raise UserError(f"resume_from_checkpoint='latest': no checkpoint-* folder in {output_dir}")
     listed = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
-    raise UserError(f"resume_from_checkpoint='latest': no complete checkpoint in {output_dir} ({listed})")
+    raise UserError(f"resume_from_checkpoint='latest': no complete, valid checkpoint in {output_dir} ({listed}); "
+                    "run without --resume_from_checkpoint to start again from step 0")
 
 
 def check_resume_path(path: str, fingerprint: dict) -> None:
@@ -207,10 +234,12 @@ def check_resume_path(path: str, fingerprint: dict) -> None:
         raise UserError(f"resume_from_checkpoint={path} {what}: {why}")
 
 
-def last_good_checkpoint(output_dir: str, fingerprint: dict | None = None) -> str | None:
-    """The newest complete checkpoint of this run with finite weights (None if there is none)."""
+def last_good_checkpoint(output_dir: str, fingerprint: dict | None = None, *,
+                         verify_content: bool = True) -> str | None:
+    """The newest complete checkpoint of this run with finite weights (None if there is none); `verify_content`
+    as in `checkpoint_problem`."""
     for _, path in checkpoint_folders(output_dir):
-        if checkpoint_problem(path, fingerprint) is None:
+        if checkpoint_problem(path, fingerprint, verify_content=verify_content) is None:
             return path
     return None
 
@@ -262,9 +291,11 @@ def staging_root(output_dir: str, step: int) -> str:
 
 
 def seal_checkpoint(staged: str, final: str, state: dict) -> None:
-    """Write our state (with the manifest of what is on disk) into the staged checkpoint, last, then rename it
-    to `final` in one step."""
-    state = {"format": STATE_FORMAT, **state, "files": file_manifest(staged)}
+    """Write our state (with the manifest of what is on disk: each file's size and content digest) into the
+    staged checkpoint, last, then rename it to `final` in one step."""
+    files = file_manifest(staged)
+    state = {"format": STATE_FORMAT, **state, "files": files,
+             "digests": checkpoint_integrity.folder_digests(staged, files)}
     atomic_write_json(os.path.join(staged, STATE_FILE), state)
     replace_folder(staged, final)
 

@@ -2,10 +2,14 @@
 (prefixdpo's own trainers through `PrefixTrainerBase`; the GRPO/RLOO trainers over TRL's).
 
 - checkpoints (`checkpoints.py`): every checkpoint is staged in a hidden folder and renamed into view complete,
-  sealed with our state file (the run's fingerprint, a manifest, whether the weights are finite);
-  `resume_from_checkpoint="latest"` takes the newest complete checkpoint of this run; an output_dir holding
+  sealed with our state file (the run's fingerprint, a manifest of sizes and content digests, whether the weights
+  are finite); `resume_from_checkpoint="latest"` takes the newest complete checkpoint of this run whose files
+  match their digests and load (`checkpoint_integrity.py`), naming each one it passes over; an output_dir holding
   another run is refused (or cleared with `overwrite_output_dir`); every such decision is taken on rank 0 and
   broadcast;
+- full disks (`disk_space.py`): a save that fails for space or I/O is one line naming the checkpoint, the folder,
+  the cause and the last complete checkpoint (`SaveFailed`, exit 2), its staging folder removed; a warning at
+  start when the output folder has less free space than one checkpoint needs;
 - preemption: SIGTERM/SIGUSR1 end the optimizer step, save a checkpoint and raise `TrainingPreempted` (exit 75); a
   first Ctrl-C does the same and raises `TrainingInterrupted` (exit 130), a second one stops at once;
 - non-finite steps: every micro-batch's loss and the step's gradient norm go to `nonfinite.NonFiniteGuard`,
@@ -20,11 +24,15 @@ own per-checkpoint state (`_checkpoint_state` / `_restore_checkpoint_state`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import pickle
 import shutil
 import signal
+import sys
+import zipfile
 
 import torch
 from transformers import TrainerCallback
@@ -34,12 +42,34 @@ from prefixdpo.core.engines import whole_model_state_dict
 from prefixdpo.core.model_checks import restore_stock_attention
 from prefixdpo.errors import TrainingInterrupted, TrainingPreempted, UserError
 from prefixdpo.core.rank_decisions import any_rank, from_rank0
-from prefixdpo.training import checkpoints
+from prefixdpo.training import checkpoints, disk_space
 from prefixdpo.training.callbacks import PreemptionSignals
 from prefixdpo.training.nonfinite import NonFiniteGuard, poisoned
 from prefixdpo.training.options import run_safety
 
 logger = logging.getLogger(__name__)
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What loading a checkpoint's files raises when one is corrupt: pickle (optimizer, scheduler, RNG state), zip
+    (a torch archive), safetensors (the weights), and RuntimeError, which torch's zip reader raises for a torn
+    archive ("PytorchStreamReader failed ..."; `_is_load_error` keeps only those)."""
+    from safetensors import SafetensorError
+
+    return (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, SafetensorError, RuntimeError)
+
+
+def _is_load_error(err: BaseException) -> bool:
+    """Whether `err`, one of `LOAD_ERRORS`, is a file that does not load (a RuntimeError only if torch's reader's)."""
+    return not isinstance(err, RuntimeError) or "PytorchStreamReader" in str(err)
+
+
+LOAD_ERRORS = _load_errors()
+
+
+class SaveFailed(UserError):
+    """A checkpoint or the model could not be written for space or I/O (a full disk, a quota, a failing device):
+    one line naming what, where, why and the last complete checkpoint; exit 2, nothing claimed."""
 
 
 class EvaluationStopped(Exception):
@@ -57,6 +87,7 @@ class SurvivalCallback(TrainerCallback):
         self.trainer = trainer
         self.signals = PreemptionSignals()
         self.training = False  # between on_train_begin and on_train_end: signals are ours to act on
+        self.stepped = False  # an optimizer step began in this call of train(): later errors are not a resume's
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.trainer.nonfinite.attach(self.trainer)  # nonfinite=skip: the prepared optimizer can skip a step
@@ -71,6 +102,9 @@ class SurvivalCallback(TrainerCallback):
         self.trainer.preempted_at = state.global_step
         self.trainer.interrupted = any_rank(self.signals.received == signal.SIGINT, args.device)
         return True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.stepped = True
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._stop_now(args, state):
@@ -202,10 +236,12 @@ class SurvivingRun:
             path = resume_from_checkpoint
             if path == "latest":
                 point = checkpoints.choose_latest(output_dir, fingerprint)
-                notes += [f"skipped {skipped}: {why}" for skipped, why in point.skipped]
+                notes += point.notes()
                 path = point.path
             elif isinstance(path, str):
                 checkpoints.check_resume_path(path, fingerprint)
+            if isinstance(path, str) and (unproven := checkpoints.unproven_note(path)):
+                notes.append(unproven)
             state = checkpoints.read_state(path) if isinstance(path, str) else None
             return path, state or {}, notes
 
@@ -226,12 +262,24 @@ class SurvivingRun:
         self.run_fingerprint = checkpoints.run_fingerprint(self.model, self._fingerprint_data(), self.args,
                                                            type(self).__name__)
         resume_from_checkpoint = self._prepare_output_dir(resume_from_checkpoint)
+        self._warn_if_short_of_space()
         self.preempted_at, self.interrupted = None, False
+        self.survival_callback.stepped = False
         output = None
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         except EvaluationStopped:  # a signal during an evaluation: `preempted_at` is the last completed step
             pass
+        except LOAD_ERRORS as err:
+            # Defence in depth: the checkpoint was verified before (digests, structure), so a file that still does
+            # not load changed since, or fails in a way the checks cannot see. Before the first step such an
+            # error is the checkpoint's, said in one line; later it is a bug and keeps its traceback.
+            if (not isinstance(resume_from_checkpoint, str) or self.survival_callback.stepped
+                    or not _is_load_error(err)):
+                raise
+            raise UserError(f"resume_from_checkpoint={resume_from_checkpoint} does not load "
+                            f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); resume from an earlier "
+                            "checkpoint, or run without --resume_from_checkpoint to start again") from err
         finally:  # also when training raises (a non-finite step): SIGTERM ends the process as usual again
             self.survival_callback.signals.restore()
             self.survival_callback.training = False
@@ -242,6 +290,17 @@ class SurvivingRun:
             stopped = TrainingInterrupted if self.interrupted else TrainingPreempted
             raise stopped(self.preempted_at, self.state.max_steps, folder)
         return output
+
+    def _warn_if_short_of_space(self) -> None:
+        """One line (first process) when output_dir has less free space than one checkpoint needs, if any will be
+        saved (`disk_space.short_space_warning`)."""
+        strategy = getattr(self.args.save_strategy, "value", self.args.save_strategy)
+        if strategy == "no" or not self.accelerator.is_main_process:
+            return
+        line = disk_space.short_space_warning(self.args.output_dir, self.model,
+                                              bool(getattr(self.args, "save_only_model", False)))
+        if line:
+            print(f"prefixdpo: {line}", file=sys.stderr, flush=True)
 
     def evaluate(self, *args, **kwargs):
         """Trainer.evaluate; a Ctrl-C or preemption signal during it (inside training) is said to stop the
@@ -272,7 +331,8 @@ class SurvivingRun:
         self._get_output_dir = lambda trial=None: staging
         self.args.save_total_limit = None
         try:
-            super()._save_checkpoint(model, trial)
+            with self._save_failures_said(f"checkpoint-{step}", run_dir, staging):
+                super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
             self.args.save_total_limit = limit
@@ -286,13 +346,32 @@ class SurvivingRun:
         finite = self._weights_finite()
         self.accelerator.wait_for_everyone()  # every rank's shard is on disk
         if self.args.should_save:
-            checkpoints.seal_checkpoint(staged, final, {
-                "step": step, "run": self.run_fingerprint, "weights_finite": finite,
-                "trainer": self._checkpoint_state(), "nonfinite": self.nonfinite.state_dict(),
-            })
+            with self._save_failures_said(f"checkpoint-{step}", run_dir, staging):
+                checkpoints.seal_checkpoint(staged, final, {
+                    "step": step, "run": self.run_fingerprint, "weights_finite": finite,
+                    "trainer": self._checkpoint_state(), "nonfinite": self.nonfinite.state_dict(),
+                })
             shutil.rmtree(staging, ignore_errors=True)
             checkpoints.rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def _save_failures_said(self, what: str, folder: str, staging: str):
+        """Turn a failure to write `what` into `folder` for space or I/O into `SaveFailed` (one line: what, where,
+        the cause, the last complete checkpoint); its hidden `staging` folder is removed (it would only hold the
+        space). Any other error propagates as it is."""
+        try:
+            yield
+        except Exception as err:
+            cause = disk_space.save_failure_cause(err, folder)
+            if cause is None:
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            # sizes only: naming it must not read gigabytes back from a failing disk
+            last = checkpoints.last_good_checkpoint(folder, self.run_fingerprint, verify_content=False)
+            after = (f"the last complete checkpoint is {last} (free space, then resume with --resume_from_checkpoint "
+                     "latest)" if last else "no complete checkpoint was saved before it (free space and run again)")
+            raise SaveFailed(f"{what} could not be saved in {folder}: {cause}; {after}") from err
 
     def _weights_finite(self) -> bool:
         """Whether every weight of the policy is finite on every rank (each rank checks what it holds)."""
@@ -319,14 +398,15 @@ class SurvivingRun:
         if self.args.should_save and os.path.isdir(staging):
             shutil.rmtree(staging)
         self.accelerator.wait_for_everyone()
-        with whole_model_state_dict(self.accelerator):
-            super().save_model(staging, _internal_call)
-        if self.args.should_save:
-            restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
-            if self.run_fingerprint is not None:  # which run wrote this model (`checkpoints.other_run_in`)
-                atomic_write_json(os.path.join(staging, checkpoints.RUN_FILE),
-                                  {"run": self.run_fingerprint, "step": self.state.global_step})
-            move_files_into(staging, folder, last=checkpoints.RUN_FILE)
+        with self._save_failures_said("the model", folder, staging):
+            with whole_model_state_dict(self.accelerator):
+                super().save_model(staging, _internal_call)
+            if self.args.should_save:
+                restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
+                if self.run_fingerprint is not None:  # which run wrote this model (`checkpoints.other_run_in`)
+                    atomic_write_json(os.path.join(staging, checkpoints.RUN_FILE),
+                                      {"run": self.run_fingerprint, "step": self.state.global_step})
+                move_files_into(staging, folder, last=checkpoints.RUN_FILE)
         self.accelerator.wait_for_everyone()
 
 
