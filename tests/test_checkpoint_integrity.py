@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("no_progress_bars")
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from prefixdpo.tools.demo import DemoSpec, build_demo
+    from prefixdpo_tools.demo import DemoSpec, build_demo
 
     work = tmp_path_factory.mktemp("integrity")
     build_demo(work / "base", DemoSpec(num_train=48, num_eval=4, hidden_size=32, intermediate_size=64,
@@ -223,6 +223,13 @@ def _assert_nothing_lost_or_claimed(out: Path, captured) -> None:
     assert "Model saved" not in captured.out and "Traceback" not in captured.err
 
 
+def _no_space_line(out) -> str:
+    """The one line of a save that ran out of space at checkpoint-4 of a run whose checkpoint-2 is complete."""
+    return (f"prefixdpo train: error: checkpoint-4 could not be saved in {out}: no space left on device; the last "
+            f"complete checkpoint is {out / 'checkpoint-2'} (free space, then resume with --resume_from_checkpoint "
+            "latest)")
+
+
 def test_a_save_that_runs_out_of_space_is_one_line_naming_the_last_checkpoint(base, monkeypatch, capsys):
     out = base / "enospc"
     _fail_optimizer_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
@@ -230,9 +237,7 @@ def test_a_save_that_runs_out_of_space_is_one_line_naming_the_last_checkpoint(ba
     assert _train(base, out) == 2
     captured = capsys.readouterr()
     (line,) = captured.err.strip().splitlines()
-    assert line == (f"prefixdpo train: error: checkpoint-4 could not be saved in {out}: no space left on device; the "
-                    f"last complete checkpoint is {out / 'checkpoint-2'} (free space, then resume with "
-                    "--resume_from_checkpoint latest)")
+    assert line == _no_space_line(out)
     _assert_nothing_lost_or_claimed(out, captured)
 
 
@@ -249,9 +254,7 @@ def test_torchs_opaque_write_error_on_a_full_disk_says_no_space(base, monkeypatc
     captured = capsys.readouterr()
     warning, line = captured.err.strip().splitlines()  # 4 KiB free: also the warning at start
     assert warning.startswith(f"prefixdpo: warning: {out} has 4.0 KiB free, less than one checkpoint needs")
-    assert line == (f"prefixdpo train: error: checkpoint-4 could not be saved in {out}: no space left on device; the "
-                    f"last complete checkpoint is {out / 'checkpoint-2'} (free space, then resume with "
-                    "--resume_from_checkpoint latest)")
+    assert line == _no_space_line(out)
     _assert_nothing_lost_or_claimed(out, captured)
 
 
