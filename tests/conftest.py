@@ -310,3 +310,14 @@ def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900, env: dic
     assert proc.returncode == 0, (ranks or proc.stdout + proc.stderr)[-6000:]
     return proc
 
+
+def pytest_collection_finish(session):
+    """Once every test module is imported (torch, transformers, TRL: millions of objects that live as long as the
+    process), move them out of the cyclic garbage collector's sight. transformers' Trainer calls `gc.collect()` at
+    the start and end of every `train()` and evaluation, and each full collection walked all of them: measured, it
+    was half the time of a worker running test_user_errors + test_trainer + test_grpo_logps (22 s -> 11 s). Objects
+    made later are collected as before; nothing a test checks depends on when a collection runs."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

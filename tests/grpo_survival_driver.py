@@ -19,6 +19,9 @@ import survival_driver as faults  # noqa: E402  (sets one torch thread)
 
 from prefixdpo.training.survival import SurvivingRun  # noqa: E402
 
+faults.gc.collect()  # TRL's trainers, imported since survival_driver froze its imports: frozen too (the same reason)
+faults.gc.freeze()
+
 MAX_STEPS = 6
 SAVE_STEPS = 2
 

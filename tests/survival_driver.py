@@ -12,6 +12,7 @@ code, and the max |difference| of the final weights to an uninterrupted run.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -29,6 +30,11 @@ from prefixdpo.training import checkpoints  # noqa: E402
 from prefixdpo import atomic_io  # noqa: E402
 from prefixdpo.cli import main  # noqa: E402
 from prefixdpo.training.base import PrefixTrainerBase  # noqa: E402
+
+# The imports' objects live as long as the driver and its forked children: out of the cyclic collector's sight, so
+# the `gc.collect()` Trainer runs at the start and end of every run does not walk them (tests/conftest.py).
+gc.collect()
+gc.freeze()
 
 MAX_STEPS = 12
 SAVE_STEPS = 3
