@@ -80,3 +80,50 @@ def test_the_layout_cache_is_keyed_by_named_fields(tmp_path):
     assert isinstance(key, LayoutKey)
     assert key._asdict() == dict(logits_to_keep=4, positions_from_mask=False, packing=True, pack_length="auto",
                                  bucketed=False, tokens_per_pass=None, shards=1)
+
+
+class _CountingAccelerator:
+    """accelerate's `reduce` on one process, counting its calls (each is a collective every rank must make)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.reductions = 0
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "sum"
+        self.reductions += 1
+        return tensor
+
+
+def test_what_sharing_saved_is_drained_in_one_reduction_and_reset():
+    from types import SimpleNamespace
+
+    from prefixdpo.grpo.run_notes import SharingCounts
+
+    counts, accelerator = SharingCounts(), _CountingAccelerator()
+    counts.count_lines("train", SimpleNamespace(num_real_tokens=30, trl_tokens=120, num_slots=40))
+    counts.prefill["train"].trl_tokens, counts.prefill["train"].ran_tokens = 200, 50
+    counts.count_lines("eval", SimpleNamespace(num_real_tokens=1, trl_tokens=2, num_slots=4))
+    assert counts.drain("train", accelerator, passes=True, prefill=True) == {
+        "prefix_sharing/tokens_saved": 0.75, "packing/efficiency": 0.75, "prefix_sharing/prefill_tokens_saved": 0.75}
+    assert accelerator.reductions == 1
+    assert counts.drain("train", accelerator, passes=True, prefill=True) == {}  # reset: nothing since the last log
+    assert counts.drain("eval", accelerator, passes=True, prefill=False) == {
+        "prefix_sharing/tokens_saved": 0.5, "packing/efficiency": 0.25}
+    assert counts.drain("eval", accelerator, passes=False, prefill=False) == {} and accelerator.reductions == 3
+
+
+def test_each_reason_is_said_once_per_kind(caplog):
+    import logging
+
+    from prefixdpo.grpo.run_notes import SaidOnce
+
+    said = SaidOnce(logging.getLogger("test_said_once"))
+    with caplog.at_level(logging.WARNING, logger="test_said_once"):
+        for _ in range(3):
+            said("prefix sharing", "images", "such passes run TRL's own layout")
+            said("shared-prompt scoring", "images", "such calls score TRL's padded rows")
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefix sharing: images; such passes run TRL's own layout (said once)",
+        "shared-prompt scoring: images; such calls score TRL's padded rows (said once)"]

@@ -18,7 +18,7 @@ import torch
 from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.model_checks import prepare_model
-from prefixdpo.grpo.generation import PrefillCount, SharedPromptRoute, generate_routed
+from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed
 from prefixdpo.grpo.reward_models import SharedPrefixScorer
 from prefixdpo.core.scores import score_head
 
@@ -33,9 +33,7 @@ class SharedPromptGeneration:
     makes TRL's call, saying once why. vLLM and transformers' continuous batching are TRL's paths untouched."""
 
     def _setup_shared_generation(self) -> None:
-        self._generation_fallbacks: set[str] = set()
         self._generation_route = SharedPromptRoute(self._note_generation_fallback)
-        self._prefill_counts = {mode: PrefillCount() for mode in ("train", "eval")}
         if self.group_settings.shared_prompt_generation and getattr(self, "use_vllm", False):
             _say_vllm_prefix_caching(self)
 
@@ -48,28 +46,12 @@ class SharedPromptGeneration:
         if "generate" in vars(model):  # a custom_generate the model brought: not transformers' own loop
             self._note_generation_fallback("the model has its own generate (a custom_generate)")
             return super()._generate_single_turn(*args, **kwargs)
-        self._generation_route.count = self._prefill_counts["train" if self.model.training else "eval"]
+        self._generation_route.count = self.sharing_counts.prefill["train" if self.model.training else "eval"]
         with generate_routed(model, self._generation_route):
             return super()._generate_single_turn(*args, **kwargs)
 
     def _note_generation_fallback(self, reason: str) -> None:
-        if reason not in self._generation_fallbacks:
-            self._generation_fallbacks.add(reason)
-            logger.warning("shared-prompt generation: %s; such generate calls run as TRL makes them (said once)",
-                           reason)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every rank logs at the same steps: a safe point to sum the counts.
-        mode = "train" if self.model.training else "eval"
-        count = self._prefill_counts[mode]
-        if self.group_settings.shared_prompt_generation:
-            trl, ran = self.accelerator.reduce(torch.tensor(
-                [count.trl_tokens, count.ran_tokens], dtype=torch.float64, device=self.accelerator.device),
-                reduction="sum").tolist()
-            if trl > 0:  # prompt tokens TRL's generate prefills vs those the shared prefill ran
-                self._metrics[mode]["prefix_sharing/prefill_tokens_saved"].append(1.0 - ran / trl)
-        count.trl_tokens = count.ran_tokens = 0
-        super().log(logs, start_time)
+        self.said_once("shared-prompt generation", reason, "such generate calls run as TRL makes them")
 
 
 def _say_vllm_prefix_caching(trainer) -> None:
@@ -93,7 +75,6 @@ class SharedPromptScoring:
 
     def _setup_shared_scoring(self) -> None:
         """After TRL's `__init__`: the reward models that can be scored shared run prefixdpo's attention."""
-        self._scoring_fallbacks: set[str] = set()
         self._shared_reward_models: list[int] = []
         if not self.group_settings.shared_prompt_scoring:
             return
@@ -125,9 +106,7 @@ class SharedPromptScoring:
             self.reward_funcs = saved
 
     def _note_scoring_fallback(self, reason: str) -> None:
-        if reason not in self._scoring_fallbacks:
-            self._scoring_fallbacks.add(reason)
-            logger.warning("shared-prompt scoring: %s; such calls score TRL's padded rows (said once)", reason)
+        self.said_once("shared-prompt scoring", reason, "such calls score TRL's padded rows")
 
 
 def prompt_groups(prompts: list) -> list[int]:

@@ -63,6 +63,7 @@ from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_
 from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
+from prefixdpo.grpo.run_notes import SaidOnce, SharingCounts
 from prefixdpo.grpo.prompt_fit import check_prompts_fit
 from prefixdpo.grpo.settings import GroupSettings, LayoutKey
 
@@ -96,9 +97,6 @@ class PrefixSharedLogps:
 
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
-        self._fallbacks_noted: set[str] = set()
-        # per mode: (real tokens the shared lines ran, real tokens TRL's rows hold, line slots) since the last log
-        self._sharing_counts = {mode: torch.zeros(3, dtype=torch.float64) for mode in ("train", "eval")}
         self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
         settings = self.group_settings
         size = settings.sequence_parallel_size
@@ -239,29 +237,12 @@ class PrefixSharedLogps:
         return why_not_shared(attention_mask, logits_to_keep)
 
     def _note_fallback(self, reason: str) -> None:
-        if reason not in self._fallbacks_noted:
-            self._fallbacks_noted.add(reason)
-            logger.warning("prefix sharing: %s; such passes run TRL's own layout (said once)", reason)
+        self.said_once("prefix sharing", reason, "such passes run TRL's own layout")
 
     # ---- what sharing saved -----------------------------------------------------------------------
 
     def _count_sharing(self, lines: GroupLines) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._sharing_counts[mode] += torch.tensor(
-            [lines.num_real_tokens, lines.trl_tokens, lines.num_slots], dtype=torch.float64)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every rank logs at the same steps (TRL's own metrics gather here too): a safe point to sum the counts.
-        if self.group_settings.prefix_sharing:
-            mode = "train" if self.model.training else "eval"
-            ours, trl, slots = self.accelerator.reduce(
-                self._sharing_counts[mode].to(self.accelerator.device), reduction="sum").tolist()
-            self._sharing_counts[mode].zero_()
-            if trl > 0:
-                # the real tokens TRL's rows hold vs those the shared lines run (all passes since the last log)
-                self._metrics[mode]["prefix_sharing/tokens_saved"].append(1.0 - ours / trl)
-                self._metrics[mode]["packing/efficiency"].append(ours / slots)
-        super().log(logs, start_time)
+        self.sharing_counts.count_lines("train" if self.model.training else "eval", lines)
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -331,6 +312,8 @@ class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPrompt
     def __init__(self, *args, record_indices: dict | None = None, **kwargs):
         """TRL's arguments; record_indices (ours): {"train" / "eval" / an eval dataset's name: the source record
         index of each row}, for messages naming a record, where rows are not the source's records (some skipped)."""
+        self.said_once = SaidOnce(logger)  # why a pass, a generate call or a reward-model call ran TRL's way
+        self.sharing_counts = SharingCounts()  # what the passes and the prefill saved, drained by `log`
         super().__init__(*args, **kwargs)
         check_prompts_fit(self, record_indices)  # before any work: a prompt past the model's positions, one line
         self._setup_prefix_sharing()
@@ -338,6 +321,16 @@ class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPrompt
         self._setup_shared_scoring()
         self._guard_reward_funcs()
         self._init_survival()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with what prefix sharing saved since the last one (`run_notes.SharingCounts.drain`)."""
+        mode = "train" if self.model.training else "eval"
+        settings = self.group_settings
+        saved = self.sharing_counts.drain(mode, self.accelerator, passes=settings.prefix_sharing,
+                                          prefill=settings.shared_prompt_generation)
+        for name, value in saved.items():
+            self._metrics[mode][name].append(value)
+        super().log(logs, start_time)
 
 
 class PrefixGRPOTrainer(PrefixGroupTrainer, GRPOTrainer):
