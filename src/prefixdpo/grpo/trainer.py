@@ -97,12 +97,12 @@ class PrefixSharedLogps:
 
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
-        self._tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
+        self.tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
         settings = self.group_settings
         size = settings.sequence_parallel_size
         if size > 1:
             sequence_parallel.check_model(self.model, size)
-        self._sequence_parallel = sequence_parallel.new_sequence_parallel(size)
+        self.sequence_parallel = sequence_parallel.new_sequence_parallel(size)
         if not settings.prefix_sharing:
             return
         backend = resolve_backend(settings.attention, self.args.device, needs_grad=True)
@@ -110,7 +110,7 @@ class PrefixSharedLogps:
             if model is not None:
                 prepare_model(model, backend)
         if settings.prefix_reuse:
-            self._tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
+            self.tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 
     # ---- the pass -------------------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ class PrefixSharedLogps:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
-        if self._sequence_parallel is not None:
+        if self.sequence_parallel is not None:
             return self._group_passes(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                                       compute_aux_loss, multimodal)
         reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
@@ -152,7 +152,7 @@ class PrefixSharedLogps:
         with self.accelerator.autocast():
             result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
                                  compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
-                                 tokens_per_pass=self._tokens_per_pass, sp=sp)
+                                 tokens_per_pass=self.tokens_per_pass, sp=sp)
         if count:
             self._count_sharing(lines)
         return result
@@ -164,7 +164,7 @@ class PrefixSharedLogps:
         its own. Each rank's result also depends (times 0) on the other members' passes, so every rank runs the
         same backward, collectives in the same order; their backward sums bring each member's gradient to every rank
         (`core.sequence_parallel`), and DDP's average over ranks is then that of TRL's data-parallel run."""
-        sp = self._sequence_parallel
+        sp = self.sequence_parallel
         if compute_aux_loss:
             raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
                               "router_aux_loss_coef 0, or sequence_parallel_size 1")
@@ -205,7 +205,7 @@ class PrefixSharedLogps:
         key = LayoutKey(logits_to_keep=int(logits_to_keep),
                         positions_from_mask=model_type in MASK_POSITION_MODEL_TYPES, packing=options.packing,
                         pack_length=str(options.pack_length), bucketed=backend in ("flex", "varlen"),
-                        tokens_per_pass=self._tokens_per_pass, shards=1 if sp is None else sp.size)
+                        tokens_per_pass=self.tokens_per_pass, shards=1 if sp is None else sp.size)
         layouts: dict[int, CachedLayout] = self.__dict__.setdefault("_layouts", {})
         cached = layouts.get(slot)
         if cached is not None and cached.serves(key, input_ids, attention_mask):
