@@ -56,7 +56,6 @@ from prefixdpo.errors import ConfigError
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
 from prefixdpo.training.settings import apply_engine_settings
-from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.training.options import resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
@@ -253,8 +252,7 @@ class PrefixSharedLogps:
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        apply_engine_settings(self)  # a requested FSDP applied (accelerate drops it on CPU); prefix reuse refused on it
-        check_engine_support(self, self.group_settings.safety.nonfinite)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+        apply_engine_settings(self, self.group_settings.safety.nonfinite)  # FSDP, prefix reuse on it, nonfinite
 
     def _checkpoint_state(self) -> dict:
         # TRL's micro-step counter, which places a step in its generation cycle (`_prepare_inputs`)

@@ -46,7 +46,6 @@ from prefixdpo.data.grouping import GroupReport, group_by_prompt
 from prefixdpo.data.loader import LoaderSettings, MicroBatch, MicroBatches, make_dataloader
 from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import unwrap
-from prefixdpo.training.nonfinite import check_engine_support
 from prefixdpo.core.offloading import activation_offloading_context
 from prefixdpo.data.inputs import pad_token_id
 from prefixdpo.training.settings import apply_engine_settings, fit_settings, loader_settings
@@ -142,8 +141,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        apply_engine_settings(self, self._whole_weight_options())  # a requested FSDP applied (also on CPU), or refused
-        check_engine_support(self, self.args.nonfinite)  # nonfinite=stop/skip holds under this engine, or a one-line refusal
+        apply_engine_settings(self, self.args.nonfinite, self._whole_weight_options())  # FSDP, ZeRO, nonfinite
 
     def _whole_weight_options(self) -> tuple[str, ...]:
         """The method's options, set in this run, that read every weight whole (refused under ZeRO-3)."""

@@ -13,6 +13,7 @@ from prefixdpo.core.engines import EngineSettings, enable_requested_fsdp, refuse
 from prefixdpo.core.fit import Batches, FitSettings
 from prefixdpo.core.sequence_parallel import pad_multiple_for
 from prefixdpo.data.loader import LoaderSettings
+from prefixdpo.training.nonfinite import check_engine_support
 
 __all__ = ["loader_settings", "fit_settings", "engine_settings", "apply_engine_settings"]
 
@@ -53,9 +54,12 @@ def engine_settings(args, whole_weight_options: tuple[str, ...] = ()) -> EngineS
                           whole_weight_options=tuple(whole_weight_options))
 
 
-def apply_engine_settings(trainer, whole_weight_options: tuple[str, ...] = ()) -> None:
-    """After `Trainer.create_accelerator_and_postprocess`: a requested FSDP on (accelerate drops it on CPU) or
-    refused, and the options a sharded engine would run wrongly refused; sets `trainer.is_fsdp_enabled`."""
+def apply_engine_settings(trainer, nonfinite: str, whole_weight_options: tuple[str, ...] = ()) -> None:
+    """After `Trainer.create_accelerator_and_postprocess`, for every prefixdpo trainer: a requested FSDP on
+    (accelerate drops it on CPU) or refused, the options a sharded engine would run wrongly refused (sets
+    `trainer.is_fsdp_enabled`), and an engine under which the run's `nonfinite` policy cannot hold refused
+    (`nonfinite.check_engine_support`); each refusal one line."""
     settings = engine_settings(trainer.args, whole_weight_options)
     trainer.is_fsdp_enabled = enable_requested_fsdp(trainer.accelerator, settings)
     refuse_unsupported_engine_options(trainer.accelerator, settings)
+    check_engine_support(trainer, nonfinite)
