@@ -102,13 +102,15 @@ def test_invalid_skip_leaves_a_record_over_the_limit_out_and_counts_it(tmp_path,
         "max_record_bytes=-1: expected a number of bytes >= 0 (0: no limit)")
 
 
-def test_a_json_list_record_over_the_limit_names_the_line_it_starts_on(tmp_path, model, capsys):
+def test_a_json_list_record_over_the_limit_is_refused_by_its_text(tmp_path, model, capsys):
+    """A JSON list is read whole (no line to cut it at): its records are measured by their text, keys and values,
+    as CSV rows are."""
     records = [RECORD, {**RECORD, "prompt": "y" * 300}, RECORD]
     data = tmp_path / "prefs.json"
     data.write_text(json.dumps(records, indent=1))
-    size = len(json.dumps(records[1], indent=1).replace("\n", "\n "))  # its text inside the list, indented
+    size = sum(len(k) + len(v) for k, v in records[1].items())
     msg = refused(capsys, ["inspect", str(data), "--tokenizer", model, "--max-record-bytes", "200"])
-    assert msg == f"record 1: {data} line 7 holds {size} bytes, more than --max_record_bytes 200 {ADVICE}"
+    assert msg == f"record 1: holds {size} bytes of text, more than --max_record_bytes 200 {ADVICE}"
 
 
 def test_a_csv_row_over_the_limit_is_refused_by_its_text_before_tokenizing(tmp_path, model, capsys):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -76,14 +75,15 @@ def read_json_records(path: str | Path, *, first_index: int = 0, where: str = ""
                       max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list:
     """Records of a JSON Lines file (or a JSON file holding one list). A line that is not valid UTF-8 or not
     valid JSON, or holds more than `max_record_bytes` bytes (0: no limit), becomes an `InvalidRecordError` in its
-    place, so record numbering never shifts; a line over the limit is never held whole (`record_lines`).
+    place, so record numbering never shifts; a line over the limit is never held whole (`record_lines`). A JSON
+    list is read whole; its records are sized by their text, as any other source's (`check_record_size`).
 
     first_index: the record number of this file's first record (a folder's files are numbered on).
     where: put before "line N" in a bad line's message (a folder's file name, so the message names the file).
     """
     with open(path, "rb") as fh:
         if first_byte(fh) == b"[":  # one JSON array: read whole, as the format gives no line to cut it at
-            return _json_array(path, fh.read(), first_index, where or f"{path} ", max_record_bytes)
+            return _json_array(path, fh.read())
         records: list = []
         for line_no, line in bounded_lines(fh, max_record_bytes):
             index = first_index + len(records)
@@ -109,41 +109,17 @@ def _json_line(line: bytes, index: int, where: str):
         return InvalidRecordError(index, BAD_JSON, f"{where} is not valid JSON ({err.msg})")
 
 
-_BLANK = re.compile(r"[ \t\n\r]*")
-
-
-def _json_array(path, data: bytes, first_index: int, where: str, limit: int) -> list:
-    """The records of a file holding one JSON list: all or nothing for bad JSON (a one-line `UserError`), as the
-    format gives no line to blame; a record of more than `limit` bytes (0: no limit) becomes an
-    `InvalidRecordError` naming the line it starts on, as a JSON Lines record over the limit."""
+def _json_array(path, data: bytes) -> list:
+    """The records of a file holding one JSON list: all or nothing (a one-line `UserError`), as the format gives
+    no line to blame; its records are sized by their text later, as any source's (`validation.check_record_size`)."""
     try:
-        text = data.decode("utf-8")
+        records = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not valid UTF-8 at byte {err.start}") from None
-    del data
-    decoder = json.JSONDecoder()
-    records: list = []
-    try:
-        pos = _BLANK.match(text, _BLANK.match(text).end() + 1).end()  # past "[" and the blanks after it
-        while not text.startswith("]", pos):
-            if records:  # a comma between records
-                if not text.startswith(",", pos):
-                    raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
-                pos = _BLANK.match(text, pos + 1).end()
-            start = pos
-            value, pos = decoder.raw_decode(text, pos)
-            size = pos - start  # characters: at most the bytes, and equal for ASCII
-            if limit and size * 4 > limit:  # perhaps over: count its bytes
-                size = len(text[start:pos].encode("utf-8"))
-            if limit and size > limit:
-                problem = too_big_problem(where, text.count("\n", 0, start) + 1, size, limit)
-                value = InvalidRecordError(first_index + len(records), TOO_BIG, problem)
-            records.append(value)
-            pos = _BLANK.match(text, pos).end()
-        if _BLANK.match(text, pos + 1).end() != len(text):
-            raise json.JSONDecodeError("Extra data", text, pos + 1)
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(records, list):
+        raise UserError(f"{path}: expected JSON Lines or a JSON list of records, got a {type(records).__name__}")
     return records
 
 
@@ -204,7 +180,8 @@ def _load_folder(folder: Path, split: str | None, max_record_bytes: int):
     records: list = []
     for f in files[split]:
         name = Path(f).relative_to(folder.resolve()).as_posix()
-        records += read_json_records(f, first_index=len(records), where=f"{name} ", max_record_bytes=max_record_bytes)
+        records += read_json_records(f, first_index=len(records), where=f"{name} ",
+                                     max_record_bytes=max_record_bytes)
     return records
 
 
@@ -252,9 +229,9 @@ def load_records(
 ) -> Sequence:
     """The records of one split of `source` (see module docstring), the first `max_samples` of them if set.
 
-    max_record_bytes: the most bytes of one record of a JSON / JSON Lines file (0: no limit); a larger one is an
-    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`); records read by `datasets`
-    are measured later, by their text (`validation.check_record_size`).
+    max_record_bytes: the most bytes of one line of a JSON Lines file (0: no limit); a larger one is an
+    `InvalidRecordError` in its place, for the error/skip policy (`record_lines`); records of every other source
+    (a JSON list, files read by `datasets`) are measured later, by their text (`validation.check_record_size`).
 
     Returns a `datasets.Dataset` or a list; either way `len()` and `[i]` give record i as a dict.
     """

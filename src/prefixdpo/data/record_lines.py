@@ -16,11 +16,14 @@ from prefixdpo.errors import ConfigError
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20  # 16 MiB: far above any text record a causal LM trains on
 
 MAX_RECORD_BYTES_HELP = (
-    "The most bytes one record of a JSON Lines / JSON file may hold (its line, without the line ending); a larger "
-    "one is refused naming its file, line and size, or skipped and counted with --invalid skip, before it is "
-    "parsed, so reading a JSON Lines file takes bounded memory whatever one line holds (a JSON list is read "
-    "whole). A record of any other source (CSV, Parquet, Arrow, a Hub dataset) is measured by its text before it "
+    "The most bytes one record may hold. A JSON Lines record is measured as its line (without the line ending): "
+    "a larger one is refused naming its file, line and size, or skipped and counted with --invalid skip, before "
+    "it is parsed, so reading a JSON Lines file takes bounded memory whatever one line holds. A record of any "
+    "other source (a JSON list, read whole; CSV, Parquet, Arrow, a Hub dataset) is measured by its text before it "
     "is tokenized. 0: no limit.")
+
+# what the message of a record over the limit advises (`too_big_problem`, `validation.check_record_size`)
+TOO_BIG_ADVICE = "(raise it, or 0 for no limit; --invalid skip leaves the record out, counted)"
 
 _CHUNK = 1 << 20  # the rest of an over-long line is read through in pieces of this size
 
@@ -74,5 +77,4 @@ def first_byte(fh: BinaryIO) -> bytes:
 
 def too_big_problem(where: str, line_no: int, size: int, limit: int) -> str:
     """The message of a record over the limit, after `record N: ` (`where`: its file, then a space)."""
-    return (f"{where}line {line_no} holds {size} bytes, more than --max_record_bytes {limit} (raise it, or 0 for "
-            "no limit; --invalid skip leaves the record out, counted)")
+    return f"{where}line {line_no} holds {size} bytes, more than --max_record_bytes {limit} {TOO_BIG_ADVICE}"

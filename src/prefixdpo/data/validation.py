@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from prefixdpo.data.record_lines import TOO_BIG_ADVICE
 from prefixdpo.errors import ConfigError, UserError
 
 INVALID_POLICIES = ("error", "skip")
@@ -92,8 +93,7 @@ def check_record_size(index: int, record, limit: int) -> None:
         size = text_bytes(record)
         if size > limit:
             raise InvalidRecordError(index, TOO_BIG, f"holds {size} bytes of text, more than --max_record_bytes "
-                                                     f"{limit} (raise it, or 0 for no limit; --invalid skip leaves "
-                                                     "the record out, counted)")
+                                                     f"{limit} {TOO_BIG_ADVICE}")
 
 
 # ---------------------------------------------------------------------------------------------- field checks

@@ -234,12 +234,12 @@ def check_resume_path(path: str, fingerprint: dict) -> None:
         raise UserError(f"resume_from_checkpoint={path} {what}: {why}")
 
 
-def last_good_checkpoint(output_dir: str, fingerprint: dict | None = None, *,
-                         verify_content: bool = True) -> str | None:
-    """The newest complete checkpoint of this run with finite weights (None if there is none); `verify_content`
-    as in `checkpoint_problem`."""
+def last_good_checkpoint(output_dir: str, fingerprint: dict | None = None) -> str | None:
+    """The newest complete checkpoint of this run with finite weights (None if there is none), to name in a
+    message (a run stopped, a save failed): its sizes are checked, not its bytes, so naming it never reads
+    gigabytes back (from a failing disk, perhaps); a resume checks every byte (`choose_latest`)."""
     for _, path in checkpoint_folders(output_dir):
-        if checkpoint_problem(path, fingerprint, verify_content=verify_content) is None:
+        if checkpoint_problem(path, fingerprint, verify_content=False) is None:
             return path
     return None
 

@@ -76,7 +76,6 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def checkpoint_size_estimate(model, save_only_model: bool = False) -> tuple[int, int]:

@@ -35,6 +35,7 @@ import sys
 import zipfile
 
 import torch
+from safetensors import SafetensorError
 from transformers import TrainerCallback
 
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
@@ -50,21 +51,15 @@ from prefixdpo.training.options import run_safety
 logger = logging.getLogger(__name__)
 
 
-def _load_errors() -> tuple[type[BaseException], ...]:
-    """What loading a checkpoint's files raises when one is corrupt: pickle (optimizer, scheduler, RNG state), zip
-    (a torch archive), safetensors (the weights), and RuntimeError, which torch's zip reader raises for a torn
-    archive ("PytorchStreamReader failed ..."; `_is_load_error` keeps only those)."""
-    from safetensors import SafetensorError
-
-    return (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, SafetensorError, RuntimeError)
+# What loading a checkpoint's files raises when one is corrupt: pickle (optimizer, scheduler, RNG state), zip (a
+# torch archive), safetensors (the weights), and RuntimeError, which torch's zip reader raises for a torn archive
+# ("PytorchStreamReader failed ..."; `_is_load_error` keeps only those).
+LOAD_ERRORS = (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, SafetensorError, RuntimeError)
 
 
 def _is_load_error(err: BaseException) -> bool:
     """Whether `err`, one of `LOAD_ERRORS`, is a file that does not load (a RuntimeError only if torch's reader's)."""
     return not isinstance(err, RuntimeError) or "PytorchStreamReader" in str(err)
-
-
-LOAD_ERRORS = _load_errors()
 
 
 class SaveFailed(UserError):
@@ -367,8 +362,7 @@ class SurvivingRun:
             if cause is None:
                 raise
             shutil.rmtree(staging, ignore_errors=True)
-            # sizes only: naming it must not read gigabytes back from a failing disk
-            last = checkpoints.last_good_checkpoint(folder, self.run_fingerprint, verify_content=False)
+            last = checkpoints.last_good_checkpoint(folder, self.run_fingerprint)
             after = (f"the last complete checkpoint is {last} (free space, then resume with --resume_from_checkpoint "
                      "latest)" if last else "no complete checkpoint was saved before it (free space and run again)")
             raise SaveFailed(f"{what} could not be saved in {folder}: {cause}; {after}") from err
