@@ -53,7 +53,7 @@ class LayoutKey(NamedTuple):
     logits_to_keep: int
     positions_from_mask: bool  # the model derives positions from the padding mask (`layout.MASK_POSITION_MODEL_TYPES`)
     packing: bool
-    pack_length: str | int  # "auto" or a length (the config makes an int of a number)
+    pack_length: str  # str(the setting): "auto" or a length
     bucketed: bool  # compiled kernels (flex, varlen): a few line lengths, multiples of 128
     tokens_per_pass: int | None  # prefix reuse: a group longer than this gets a line of its own
     shards: int  # sequence parallelism: every line padded to a multiple of the group's size
