@@ -1,0 +1,67 @@
+"""Tiny random hybrid models (recurrent or convolution layers beside attention, or attention sinks): one builder
+for the tests, `verify`'s examples, `bench`'s hybrid profile and `make gpu-check`'s hybrid section.
+
+Each family is the transformers architecture named by its `model_type`, shrunk to hidden 64 with four layers that
+hold every layer type the family has (e.g. Gated DeltaNet and full attention for Qwen3.5), at vocab 96 (the embedded
+tokenizer's). Weights are drawn at std 0.2 so a wrong layout shows in the log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where the models are built
+    import torch
+
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)  # ids inside the tiny vocab
+
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+               mamba_chunk_size=8)
+
+# model_type -> the config fields that make it tiny and give it each of its layer types
+HYBRID_FAMILIES: dict[str, dict] = {
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                 block_auto_adjust_ff_dim=False, block_multiple_of=16),
+    "lfm3": dict(layer_types=["conv", "full_attention", "conv", "sliding_attention"], conv_L_cache=4,
+                 sliding_window=64),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention", "mlp", "moe"], mamba_num_heads=4, mamba_head_dim=16,
+                       n_groups=1, ssm_state_size=16, conv_kernel=4, expand=1, chunk_size=8, n_routed_experts=4,
+                       n_shared_experts=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                       num_experts_per_tok=2, use_mamba_kernels=False),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
+                             num_experts_per_tok=2, shared_intermediate_size=64, **_MAMBA2),
+    "falcon_h1": dict(mamba_d_ssm=64, **_MAMBA2),
+    "bamba": dict(attn_layer_indices=[1, 3], **_MAMBA2),
+    "kimi_linear": dict(linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                                            "head_dim": 16, "short_conv_kernel_size": 4},
+                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+                        first_k_dense_replace=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, mla_use_nope=True),
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    sliding_window=16, num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+}
+
+
+def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str = "cpu", seed: int = 0):
+    """A tiny random model of `family` (a key of HYBRID_FAMILIES) in eval mode, weights at std 0.2."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**_COMMON, **HYBRID_FAMILIES[family]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.to(device=device, dtype=dtype or torch.float32).train(False)
