@@ -90,6 +90,23 @@ def test_final_logit_softcapping_head_is_reproduced():
         check_head(lm_head_fn(model), h, model.lm_head(h))
 
 
+def test_head_check_allows_a_bfloat16_models_rounding_but_not_a_missed_cap():
+    """A bfloat16 model's logits are its fp32 logits rounded (then soft-capped in bfloat16, as Gemma-2 does on a GPU):
+    within the check's bound; the same logits without the cap are still refused."""
+    from prefixdpo.core.logprobs import check_head, lm_head_fn
+
+    model = tiny_model("gemma2", num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0)
+    torch.manual_seed(0)
+    h = torch.randn(3, model.config.hidden_size) * 20
+    raw = model.lm_head(h)
+    capped_in_bf16 = (torch.tanh(raw.bfloat16() / 30.0) * 30.0).bfloat16()
+    ours = lm_head_fn(model)(h)
+    assert (ours - capped_in_bf16.float()).abs().max() > 1e-3 * max(1.0, capped_in_bf16.float().abs().max().item())
+    check_head(lm_head_fn(model), h, capped_in_bf16)
+    with pytest.raises(UnsupportedModelError, match="LM head"):
+        check_head(lm_head_fn(model), h, raw.bfloat16())
+
+
 def test_encoder_decoder_refused():
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -96,3 +96,20 @@ def test_flex_training_on_cpu_is_refused():
         resolve_backend("flex", "cpu", needs_grad=True)
     assert resolve_backend("auto", "cpu") == "sdpa"
     assert resolve_backend("auto", "cuda") == "flex"
+
+
+def test_choosing_flex_leaves_room_for_its_compiled_variants():
+    """Dynamo's default of 8 compiled variants of flex_attention was hit on an H200 (grad mode, training flag,
+    shapes), after which flex ran its unfused eager path: choosing flex raises the limit, never lowers one."""
+    import torch._dynamo.config as dynamo_config
+
+    from prefixdpo.core.attention.backends import resolve_backend
+    from prefixdpo.core.attention.flex_compile import FLEX_RECOMPILE_LIMIT
+
+    with dynamo_config.patch(recompile_limit=8):  # the config's own patch restores it (monkeypatch would delete it)
+        assert resolve_backend("sdpa", "cpu") == "sdpa" and dynamo_config.recompile_limit == 8
+        assert resolve_backend("flex", "cpu", needs_grad=False) == "flex"
+        assert dynamo_config.recompile_limit == FLEX_RECOMPILE_LIMIT
+    with dynamo_config.patch(recompile_limit=500):
+        resolve_backend("flex", "cpu", needs_grad=False)
+        assert dynamo_config.recompile_limit == 500

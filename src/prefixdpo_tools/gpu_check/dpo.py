@@ -23,7 +23,7 @@ except ImportError:  # `make gpu-check` on a python without torch: main() says s
     torch = None
 
 from prefixdpo_tools.bench.flops import ModelShape
-from prefixdpo_tools.gpu_check.results import CheckResult
+from prefixdpo_tools.gpu_check.results import CheckResult, fresh_compile_state
 from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
 
 __all__ = ["ARCHS", "DTYPES", "BENCH_SHAPE", "QLORA_CHECK", "bench_profiles", "verify_check", "train_check",
@@ -238,6 +238,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, examples
                 continue
             stepper = None
             try:
+                fresh_compile_state()
                 prepare_model(policy, backend)
                 prepare_model(reference, backend)
                 stepper = DPOStep(policy, reference, backend=backend)

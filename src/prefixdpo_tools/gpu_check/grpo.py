@@ -30,7 +30,7 @@ from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
 from prefixdpo_tools.bench.model import llama_config
 from prefixdpo.core.models import load_causal_lm
 from prefixdpo.grpo.verify import build_verify_trainer, compare_group_pass, random_group_rows, verify_cases
-from prefixdpo_tools.gpu_check.results import CheckResult
+from prefixdpo_tools.gpu_check.results import CheckResult, fresh_compile_state
 from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
 
 VERIFY_ARCHS = ("llama", "qwen2")
@@ -82,6 +82,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
                 results.append(CheckResult("grpo bench", name, "skipped", "time budget spent"))
                 continue
             try:
+                fresh_compile_state()
                 trainer.change_settings(attention=backend)
                 t0 = time.monotonic()
                 r = run_profile(scaled, work, step, shape, device=device, repeats=repeats, warmup=warmup)
@@ -102,6 +103,7 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
         r, work, backend = first
         name = f"whole step {r.name}"
         try:
+            fresh_compile_state()
             trainer.change_settings(attention=backend)
             reward_model, _ = build_reward_model(shape, device=device, dtype=dtype, backend=backend)
             w = time_whole_step(trainer, reward_model, r, work, shape, device=device, backend=backend,

@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
+from prefixdpo.core.attention.flex_compile import allow_flex_recompiles
 from prefixdpo.core.attention.reuse_plan import plan_reuse
 from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
 from prefixdpo.core.attention.shared_prompt import shared_prompt_attention
@@ -153,7 +154,9 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        backend = "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex":
+        allow_flex_recompiles()
     if backend == "flex" and device.type == "cpu" and needs_grad:
         raise ValueError("attention backend 'flex' cannot train on CPU (FlexAttention has no CPU backward); use 'sdpa'")
     if backend == "varlen":

@@ -114,6 +114,19 @@ def check_available(device: torch.device) -> None:
         )
 
 
+class UnsupportedDtypeError(ConfigError):
+    """The varlen kernel cannot compute in the model's dtype (a fact of the backend, not of the user's data)."""
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    """Raise a one-line `UnsupportedDtypeError` unless FlashAttention varlen computes in `dtype`."""
+    if dtype not in _FLASH_DTYPES:
+        raise UnsupportedDtypeError(
+            f"attention='varlen' runs FlashAttention, which computes in bfloat16/float16 only; the model "
+            f"runs in {dtype}: use --bf16 (or a bfloat16 model), or attention 'flex' for {dtype}"
+        )
+
+
 @functools.lru_cache(maxsize=4)
 def _kernel_parameters(kernel) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
@@ -128,11 +141,8 @@ def varlen_attention(
     One gather for the queries, one for keys/values, one varlen call, one gather back; `index_select`
     for the reasons given in `segments.segmented_attention`. Padding positions get zeros.
     """
-    if query.device.type == "cuda" and query.dtype not in _FLASH_DTYPES:
-        raise ConfigError(
-            f"attention='varlen' runs FlashAttention, which computes in bfloat16/float16 only; the model "
-            f"runs in {query.dtype}: use --bf16 (or a bfloat16 model), or attention 'flex' for {query.dtype}"
-        )
+    if query.device.type == "cuda":
+        check_dtype(query.dtype)
     B, H, L, D = query.shape
     Hkv, Lk, Dv = key.shape[1], key.shape[2], value.shape[-1]
     if plan.num_segments == 0:  # all padding (a rank-balancing empty micro-batch)
