@@ -93,3 +93,27 @@ def test_from_config():
     assert (small.kv_heads, small.head_dim) == (4, 16)
     # Llama-3.1-8B body: about 7.0e9 parameters (8.0e9 minus two 0.5e9 embedding/head matrices).
     assert LLAMA_3_1_8B.body_params_per_token() == pytest.approx(6.98e9, rel=0.01)
+
+
+def test_a_hybrid_pays_the_pair_term_on_its_attention_layers_only():
+    """Qwen3.5-style: two Gated DeltaNet layers and two attention layers of four. Its recurrent layers cost a linear
+    term per token, which sharing cuts by the whole token ratio (2600 -> 1600 tokens), while attention keeps every
+    response's pairs with the prompt: the hybrid's ideal lies above the all-attention model's, below the token ratio."""
+    from transformers import AutoConfig
+
+    from prefixdpo_tools.hybrid_models import HYBRID_FAMILIES
+    from prefixdpo_tools.bench.flops import forward_flops, ideal_speedup, layer_kinds
+
+    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    hybrid = AutoConfig.for_model("qwen3_5_text", **fields, **HYBRID_FAMILIES["qwen3_5_text"])
+    shape = ModelShape.from_config(hybrid)
+    assert layer_kinds(hybrid) == [{"recurrent"}, {"attention"}] * 2
+    assert (shape.attention_layers, shape.recurrent_flops_per_token) == (2, 2 * 6 * 4 * 16 * 16)
+    plain = ModelShape.from_config(AutoConfig.for_model("qwen3", **fields))
+    assert plain.attention_layers is None and plain.recurrent_flops_per_token == 0
+    assert forward_flops(shape, 10, 55, 0).attention * 2 == forward_flops(plain, 10, 55, 0).attention
+    work = [(1000, [300, 300])]
+    assert ideal_speedup(plain, work) < ideal_speedup(shape, work) < 2600 / 1600
+    falcon = AutoConfig.for_model("falcon_h1", **fields, **HYBRID_FAMILIES["falcon_h1"])
+    assert layer_kinds(falcon) == [{"attention", "recurrent"}] * 4  # Mamba2 and attention side by side in a layer

@@ -3,8 +3,13 @@
 Counted per forward pass of one sequence/row (multiply-add = 2 FLOPs):
 
     body      2 * body_params_per_token * tokens          (q, k, v, o projections with GQA + SwiGLU MLP)
-    attention 4 * heads * head_dim * allowed_pairs        per layer (q.k^T and p.v, 2 FLOPs each)
+              + recurrent_flops_per_token * tokens        (hybrids: the state updates of their recurrent layers)
+    attention 4 * heads * head_dim * allowed_pairs        per attention layer (q.k^T and p.v, 2 FLOPs each)
     LM head   2 * hidden * vocab * head_positions         (only positions that predict a response token)
+
+A hybrid model (Qwen3.5's Gated DeltaNet, LFM's short convolutions, Mamba2, Kimi Delta Attention) pays the pair
+term on its attention layers only; a recurrent layer's cost is linear in tokens, so on its layers prefix sharing
+saves the prompt's repeated tokens and nothing more (a recurrent layer's projections are counted as attention's).
 
 "Useful" means padding, masked-out attention blocks, embeddings lookups, norms, softmax and biases are
 not counted, and the LM head is counted only where a response token is predicted, on both sides.
@@ -69,6 +74,13 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    attention_layers: int | None = None  # layers with attention (None: all, a plain transformer)
+    recurrent_flops_per_token: int = 0  # all recurrent layers' state-update FLOPs per token (hybrids)
+
+    @property
+    def pair_layers(self) -> int:
+        """The layers whose cost grows with attended pairs."""
+        return self.layers if self.attention_layers is None else self.attention_layers
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -89,6 +101,7 @@ class ModelShape:
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kinds = layer_kinds(config)
         return cls(
             hidden=int(config.hidden_size),
             intermediate=int(config.intermediate_size),
@@ -97,6 +110,9 @@ class ModelShape:
             kv_heads=int(kv_heads),
             head_dim=int(head_dim),
             vocab=int(config.vocab_size),
+            attention_layers=None if kinds is None else sum("attention" in k for k in kinds),
+            recurrent_flops_per_token=0 if kinds is None else
+            sum("recurrent" in k for k in kinds) * recurrent_layer_flops_per_token(config),
         )
 
     def body_params_per_token(self) -> int:
@@ -130,6 +146,38 @@ class ModelShape:
         return {"body": count.body / total, "attention": count.attention / total, "lm_head": count.lm_head / total}
 
 
+_ATTENTION_TYPES = {"full_attention", "sliding_attention", "attention", "hybrid"}  # falcon_h1: both in one layer
+_RECURRENT_TYPES = {"linear_attention", "conv", "mamba", "hybrid"}
+
+
+def layer_kinds(config) -> list[set[str]] | None:
+    """Each layer's kinds ({"attention"}, {"recurrent"}, both, or none for an MLP-only block) from a hybrid config's
+    `layer_types` (or NemotronH's `layers_block_type`); None for a plain transformer (no recurrent layer)."""
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if not types or not set(types) & _RECURRENT_TYPES:
+        return None
+    return [{kind for kind, names in (("attention", _ATTENTION_TYPES), ("recurrent", _RECURRENT_TYPES)) if t in names}
+            for t in types]
+
+
+def recurrent_layer_flops_per_token(config) -> int:
+    """One recurrent layer's state work per token, by its family's config (its projections are in the body):
+    a linear-attention state (Gated DeltaNet, KDA) decays, updates and is read, 3 multiply-adds over dk x dv per
+    value head; a Mamba2 state 3 over head_dim x d_state per head; a short convolution 1 per channel and tap."""
+    c = config
+    if getattr(c, "linear_num_value_heads", None):  # Qwen3.5 / Qwen3-Next Gated DeltaNet
+        return 6 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    if getattr(c, "linear_num_heads", None):  # Kimi Delta Attention
+        return 6 * c.linear_num_heads * c.linear_head_dim ** 2
+    heads = getattr(c, "mamba_n_heads", None) or getattr(c, "mamba_num_heads", None)
+    if heads:  # Mamba2 (Granite 4, Bamba, Falcon-H1, NemotronH)
+        head_dim = getattr(c, "mamba_d_head", None) or getattr(c, "mamba_head_dim", None)
+        state = getattr(c, "mamba_d_state", None) or getattr(c, "ssm_state_size", None)
+        return 6 * heads * head_dim * state
+    taps = getattr(c, "conv_L_cache", None)  # LFM2 / LFM3 short convolution over the hidden channels
+    return 2 * c.hidden_size * (taps or 0)
+
+
 # Llama-3.1-8B, the paper's main model: for reports comparing the ideal speedup with its measurements.
 LLAMA_3_1_8B = ModelShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256)
 
@@ -138,8 +186,8 @@ def forward_flops(shape: ModelShape, tokens: int, allowed_pairs: int, head_posit
     """Forward FLOPs of one sequence/row with `tokens` positions, `allowed_pairs` (query, key) pairs
     the attention mask allows (per layer and head), and `head_positions` positions run through the LM head."""
     return FlopCount(
-        body=2 * shape.body_params_per_token() * tokens,
-        attention=shape.layers * 4 * shape.heads * shape.head_dim * allowed_pairs,
+        body=(2 * shape.body_params_per_token() + shape.recurrent_flops_per_token) * tokens,
+        attention=shape.pair_layers * 4 * shape.heads * shape.head_dim * allowed_pairs,
         lm_head=2 * shape.lm_head_params() * head_positions,
     )
 
