@@ -60,21 +60,23 @@ def verify_examples():
     return out
 
 
-def verify_check(arch: str, dtype_name: str, backend: str, device: str) -> CheckResult:
-    """`prefixdpo verify`'s four cases on a tiny `arch`; n/a where the backend refuses the model."""
+def verify_check(arch: str, dtype_name: str, backend: str, device: str, build=tiny_causal_lm, examples=None,
+                 section: str = "verify") -> CheckResult:
+    """`prefixdpo verify`'s four cases on a tiny `arch` (`build(arch, dtype, device)`, on `examples`, default
+    `verify_examples()`); n/a where the backend refuses the model."""
     from prefixdpo.core.verify import DTYPE_TOLERANCES
     from prefixdpo.core.model_checks import check_model_supported
     from prefixdpo.core.logprobs import UnsupportedModelError
     from prefixdpo.core.verify import compare
 
     name = f"{arch} {dtype_name} {backend}"
-    model = tiny_causal_lm(arch, getattr(torch, dtype_name), device)
+    model = build(arch, getattr(torch, dtype_name), device)
     try:
         check_model_supported(model, backend)
     except UnsupportedModelError as err:
-        return CheckResult("verify", name, "n/a", str(err))
+        return CheckResult(section, name, "n/a", str(err))
     logp_tol, grad_tol = DTYPE_TOLERANCES[dtype_name]
-    examples = verify_examples()
+    examples = verify_examples() if examples is None else examples
     n = len(examples)
     cases = [("unpacked", None, True), ("packed", [list(range(n))], True),
              ("two rows", [[0, 2], [1]], True), ("standard packed", [list(range(n))], False)]
@@ -90,7 +92,7 @@ def verify_check(arch: str, dtype_name: str, backend: str, device: str) -> Check
             failed.append(case)
     detail = (f"rel dlogp {worst['logp']:.1e} (tol {logp_tol:g}), rel dgrad {worst['grad']:.1e} (tol {grad_tol:g})"
               + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return CheckResult("verify", name, "FAIL" if failed else "ok", detail, worst)
+    return CheckResult(section, name, "FAIL" if failed else "ok", detail, worst)
 
 
 def train_check(backend: str, device: str, steps: int = TRAIN_STEPS) -> CheckResult:

@@ -1,9 +1,9 @@
 """`make gpu-check`: the GPU route proved in one command, on one CUDA device, in under 8 minutes.
 
     PYTHONPATH=src python3 -m prefixdpo_tools.gpu_check [--out DIR] [--budget-s S]
-        [--sections verify,train,sp,reuse,bench,grpo]
+        [--sections verify,train,sp,reuse,hybrid,bench,grpo]
 
-Six sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
+Seven sections, each a list of checks; a table on stdout, and gpu-check.json + gpu-check.md in DIR
 ($OUT when set, else gpu-check-results):
 
 - verify (`gpu_check.dpo`, as train and bench): tiny Llama, Qwen2, Qwen3, Mistral and Gemma-2 (soft-capping:
@@ -21,6 +21,9 @@ Six sections, each a list of checks; a table on stdout, and gpu-check.json + gpu
 - reuse (`gpu_check.prefix_reuse`): prefix reuse on tiny Llama and Qwen2, per backend: two long lines' policy pass
   and backward as one row each and with prefix reuse (3-5 chunks a line), sums and gradients within `verify`'s
   tolerances of the dtype; flex's and varlen's masks over external keys run nowhere else.
+- hybrid (`gpu_check.hybrid`): recurrent layers on shared prefixes: tiny Qwen3.5, LFM2, NemotronH, Falcon-H1, Kimi
+  Linear and gpt-oss, fp32 and bf16, per backend, verify's cases on records whose spans cross the layers' chunk
+  sizes, through the CUDA kernels (`fla`, `causal-conv1d`, `mamba_ssm`) where installed (named in its first line).
 - bench: `prefixdpo_tools.bench` on a compute-bound Llama shape (hidden 2048, 8 layers, bf16, rows up to 4096
   tokens): the paper's six profiles and the multi-response one, four modes, per backend; pairs/s,
   achieved/ideal, peak memory, and graphs compiled by dynamo (`counters["stats"]["unique_graphs"]`).
@@ -31,7 +34,7 @@ Six sections, each a list of checks; a table on stdout, and gpu-check.json + gpu
   the budget, and the whole step on the first profile ("grpo bench", never fails the run). The GRPO bench gets the last
   `--grpo-budget-s` seconds of the budget.
 
-Exit status: 1 if a verify, train, sequence parallel, prefix reuse or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
+Exit status: 1 if a verify, train, sequence parallel, prefix reuse, hybrid or grpo verify check fails or raises, else 0. Without CUDA: one line, exit 0.
 Imports only torch, transformers and prefixdpo's own modules at module level (no `datasets`, no TRL: the GPU
 machine may have neither; the grpo section imports TRL only after finding it; the QLoRA step imports TRL, peft
 and bitsandbytes only where all three are installed).
@@ -56,13 +59,13 @@ from prefixdpo_tools.gpu_check.dpo import (
     ARCHS, BENCH_MAX_LENGTH, BENCH_SHAPE, DTYPES, QLORA_CHECK, bench_profiles, bench_section, qlora_check,
     train_check, verify_check,
 )
-from prefixdpo_tools.gpu_check import prefix_reuse, sequence_parallel
+from prefixdpo_tools.gpu_check import hybrid, prefix_reuse, sequence_parallel
 from prefixdpo_tools.gpu_check.results import CheckResult, format_table, guarded, verdict, write_reports, exit_status
 
 __all__ = ["SECTIONS", "GRPO_ARCHS", "GRPO_PROFILES", "attention_backends", "planned_checks", "grpo_missing",
            "grpo_section", "main"]
 
-SECTIONS = ("verify", "train", "sp", "reuse", "bench", "grpo")  # what --sections chooses from
+SECTIONS = ("verify", "train", "sp", "reuse", "hybrid", "bench", "grpo")  # what --sections chooses from
 # gpu_check.grpo's and bench.grpo's names, spelled out here: importing them imports TRL (tested equal)
 GRPO_ARCHS = ("llama", "qwen2")
 GRPO_PROFILES = ("math-like", "long-context", "math-like-g16")
@@ -87,6 +90,8 @@ def planned_checks(backends: list[str] | None = None, sections=SECTIONS) -> list
         plan += sequence_parallel.planned(backends)
     if "reuse" in sections:
         plan += prefix_reuse.planned(backends)
+    if "hybrid" in sections:
+        plan += hybrid.planned(backends)
     if "bench" in sections:
         plan += [("bench", f"{p} {b}") for p in bench_profiles() for b in backends]
     if "grpo" in sections:
@@ -192,6 +197,8 @@ def exactness_sections(sections: list[str], backends: list[str], device: str) ->
         results += sequence_parallel.section(backends, device, log=log)
     if "reuse" in sections:
         results += prefix_reuse.section(backends, device, log=log)
+    if "hybrid" in sections:
+        results += hybrid.section(backends, device, log=log)
     return results
 
 
