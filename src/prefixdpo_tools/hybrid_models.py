@@ -45,7 +45,10 @@ HYBRID_FAMILIES: dict[str, dict] = {
                                             "head_dim": 16, "short_conv_kernel_size": 4},
                         num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
                         first_k_dense_replace=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, mla_use_nope=True),
+                        qk_nope_head_dim=8, v_head_dim=16, mla_use_nope=True,
+                        # MLA expands its keys to every head, as Kimi Linear's own configs say (kv heads = heads):
+                        # with fewer, transformers' SDPA path under any mask repeats the expanded keys again
+                        num_key_value_heads=4),
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                     sliding_window=16, num_local_experts=4, num_experts_per_tok=2,
                     rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),

@@ -1,0 +1,161 @@
+"""Hybrid models (recurrent, convolution or state-space layers beside attention) on prefix-shared lines, exact.
+
+With `core.recurrent.prepare_recurrent(model)` and `model(..., pass_plan=plan)`, every recurrent mixer runs each run of
+a line from its parent run's final state (`core.recurrent`). Against STOCK separate passes (each `[prompt][response]`
+alone, the stock model: `core.verify.separate_pass_logps`), every response's log-prob sum is within K_FORWARD eps x
+the largest |sum| and every parameter's gradient of a DPO-shaped loss within K eps x the largest entry
+(`tolerances`), fp32, tiny models of each family (`prefixdpo_tools.hybrid_models`), on a paired line, a line of
+K = 4 responses, two examples packed in a padded line, and a trie across records (a system prompt, then two prompts,
+one of a single token, then responses, one of a single token).
+
+Not here: Granite 4 hybrid (granitemoehybrid) is exact in its math (float64 with its float32 casts lifted: sums
+2e-14 apart, gradients 1.2e-12 of 23), but its convolution weight's gradient cancels (stock padded rows already differ
+from stock separate passes by ~100 eps x the largest entry in fp32), beyond the rule's K = 128 on a shared line (~150).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import random_examples
+from prefixdpo.core.attention.backends import ATTENTION_NAME, batch_attention_mask
+from prefixdpo.core.model_checks import base_model
+from prefixdpo.core.recurrent import SUPPORTED_MIXERS, prepare_recurrent, supported_mixers
+from prefixdpo.core.verify import dpo_loss, gradients, separate_pass_logps, verify_batch
+from prefixdpo.data.example import Example
+from prefixdpo_tools.hybrid_models import tiny_hybrid_lm
+from tolerances import K, K_FORWARD, assert_small, bound
+
+FAMILIES = ["qwen3_5_text", "lfm2", "nemotron_h", "kimi_linear", "qwen3_next", "lfm3", "bamba", "falcon_h1"]
+
+
+@dataclass(frozen=True)
+class LinePlan:
+    """The pass plan's contract with `core.recurrent`: spans [B, L, 2] long, (tin, tout) per column."""
+
+    spans: torch.Tensor
+
+
+def trie_examples() -> list[Example]:
+    """A system prompt, then two prompts (one a single token), then their responses (one a single token)."""
+    g = random.Random(0)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(g.randrange(3, 96) for _ in range(n))
+
+    system = ids(6)
+    return [Example(system + ids(4), (ids(3), ids(5)), ((0, 1),)),
+            Example(system + ids(1), (ids(4), ids(2), ids(1)), ((0, 1), (0, 2)))]
+
+
+def layouts() -> dict[str, tuple[list[Example], dict]]:
+    paired, k4, other = random_examples()
+    return {"paired": ([paired], {}), "k4": ([k4], {}),
+            "packed": ([paired, other], dict(packs=[[0, 1]], pad_multiple=8)),
+            "trie": (trie_examples(), dict(tree=True, pad_multiple=8))}
+
+
+@functools.lru_cache(maxsize=None)
+def hybrid(family: str):
+    model = tiny_hybrid_lm(family)
+    assert prepare_recurrent(model), f"{family}: no recurrent mixer wrapped"
+    return model
+
+
+def response_sums(logits: torch.Tensor, batch) -> torch.Tensor:
+    """Per-response log-prob sums [R] from a pass's logits [B, L, V] over the batch's lines."""
+    token_logps = logits[batch.target_line, batch.target_col].log_softmax(-1)
+    token_logps = token_logps.gather(1, batch.target_ids[:, None])[:, 0]
+    return token_logps.new_zeros(batch.num_responses).index_add(0, batch.target_response, token_logps)
+
+
+def line_pass(model, batch, plan: bool = True) -> torch.Tensor:
+    """Logits [B, L, V] of one pass over the batch's lines: prefixdpo's attention with the lines' 4D mask, the
+    recurrent mixers with the lines' spans (plan=False: without them, the stock mixers straight along each line)."""
+    base_model(model).set_attn_implementation(ATTENTION_NAME)
+    extra = {"pass_plan": LinePlan(batch.spans)} if plan else {}
+    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                 attention_mask=batch_attention_mask(batch, "sdpa"), **extra).logits
+
+
+def differences(model, examples, **layout):
+    """(max |ours - separate| of the sums, largest |sum|, max gradient difference, largest gradient entry)."""
+    batch = verify_batch(examples, **layout)
+    model.zero_grad(set_to_none=True)
+    separate = separate_pass_logps(model, examples)
+    ours = response_sums(line_pass(model, batch), batch)
+    grads = []
+    for sums in (separate, ours):
+        dpo_loss(sums, batch.pair_better, batch.pair_worse).backward()
+        grads.append(gradients(model).clone())
+        model.zero_grad(set_to_none=True)
+    return ((ours - separate).abs().max().item(), separate.abs().max().item(),
+            (grads[1] - grads[0]).abs().max().item(), grads[0].abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["paired", "k4", "packed", "trie"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_lines_match_stock_separate_passes(family, layout):
+    examples, options = layouts()[layout]
+    logp_diff, logp_scale, grad_diff, grad_scale = differences(hybrid(family), examples, **options)
+    assert_small(logp_diff, logp_scale, k=K_FORWARD, what=f"{family} {layout} sums")
+    assert_small(grad_diff, grad_scale, k=K, what=f"{family} {layout} gradients")
+
+
+def test_without_the_plan_a_recurrent_layer_carries_one_response_into_the_next():
+    """The check sees the leak the wrappers close: the same line without `pass_plan` runs the stock mixers straight
+    through it (the convolution window and state of r1 into r2), far outside the rule."""
+    model = hybrid("lfm2")
+    examples, options = layouts()["paired"]
+    batch = verify_batch(examples, **options)
+    separate = separate_pass_logps(model, examples)
+    sums = response_sums(line_pass(model, batch, plan=False), batch)
+    scale = separate.abs().max().item()
+    # the first response sees only the prompt before it: within the rule; the second reads r1's state: far outside
+    assert_small(abs(sums[0] - separate[0]).item(), scale, k=K_FORWARD, what="first response")
+    assert abs(sums[1] - separate[1]).item() > 1000 * bound(scale, k=K_FORWARD)
+
+
+def test_every_family_has_its_mixers_wrapped_and_only_those():
+    model = hybrid("qwen3_5_text")
+    assert supported_mixers(model) == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    wrapped = [m.forward for m in model.modules() if getattr(m, "_prefixdpo_recurrent", False)]
+    assert len(wrapped) == 2
+    assert prepare_recurrent(model) == supported_mixers(model)  # idempotent: a second call wraps nothing again
+    assert [m.forward for m in model.modules() if getattr(m, "_prefixdpo_recurrent", False)] == wrapped
+    assert set(SUPPORTED_MIXERS.values()) >= set(FAMILIES)
+
+
+def test_a_mixer_carries_state_and_gradient_exactly_in_float64():
+    """One LFM2 short-convolution mixer alone, float64 (it casts nothing to float32): a trie of runs against stock
+    calls on each root-to-leaf sequence; its outputs and its input's gradient (the prompt's summed over both
+    responses, reaching it only through the carried convolution state) within K eps64."""
+    from tolerances import EPS64
+
+    model = tiny_hybrid_lm("lfm2", dtype=torch.float64)
+    mixer = model.model.layers[0].conv
+    prepare_recurrent(model)
+    g = torch.Generator().manual_seed(0)
+    p, a, b = 5, 3, 1  # a prompt, then a three-token and a one-token response
+    x = torch.randn(1, p + a + b, 64, dtype=torch.float64, generator=g, requires_grad=True)
+    columns = torch.arange(p + a + b)
+    tout = torch.tensor([p + a + b] * p + [p + a] * a + [p + a + b] * b)
+    y = mixer(x, pass_plan=LinePlan(torch.stack([columns, tout], -1)[None]))
+    upstream = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    grad, = torch.autograd.grad((y * upstream).sum(), x)
+
+    first, second = x[:, :p + a].detach().requires_grad_(), torch.cat([x[:, :p], x[:, p + a:]], 1).detach()
+    second.requires_grad_()
+    y1, y2 = mixer(first), mixer(second)
+    g1, = torch.autograd.grad((y1 * upstream[:, :p + a]).sum(), first)
+    g2, = torch.autograd.grad((y2[:, p:] * upstream[:, p + a:]).sum(), second)
+    expected_y = torch.cat([y1, y2[:, p:]], 1)
+    expected_grad = torch.cat([g1[:, :p] + g2[:, :p], g1[:, p:], g2[:, p:]], 1)
+    assert (y - expected_y).abs().max().item() <= K * EPS64 * expected_y.abs().max().item()
+    assert (grad - expected_grad).abs().max().item() <= K * EPS64 * expected_grad.abs().max().item()
+    assert g2[:, :p].abs().max() > 0  # the second response's gradient does reach the prompt
