@@ -47,7 +47,8 @@ def test_a_trie_across_records_runs_each_node_from_its_parent_node():
 
 
 def test_no_call_of_one_token_starts_from_a_state():
-    """A one-token node with children is folded into its children's calls; a one-token leaf runs twice."""
+    """A one-token node with children is folded into its children's calls; a one-token leaf is padded to two
+    columns; leaves of a depth run as one batch padded on the right, other calls by depth and length."""
     system = (3, 4, 5)
     examples = [Example(system + (10, 11), ((20, 21), (22,)), ((0, 1),)),
                 Example(system + (12,), ((23, 24, 25), (26, 27)), ((0, 1),))]
@@ -56,12 +57,16 @@ def test_no_call_of_one_token_starts_from_a_state():
     plan = plan_calls(walk_spans(batch.spans), B, L)
     ids = batch.input_ids[0].tolist()
     calls = [(tuple(ids[c] for c in call.columns), call.parent) for call in plan.calls]
-    assert calls == [((3, 4, 5), -1), ((10, 11), 0), ((20, 21), 1), ((22, 22), 1), ((12, 23, 24, 25), 0),
+    assert calls == [((3, 4, 5), -1), ((10, 11), 0), ((20, 21), 1), ((22,), 1), ((12, 23, 24, 25), 0),
                      ((12, 26, 27), 0)]
-    assert all(len(call.columns) > 1 or call.parent < 0 for call in plan.calls)
-    # every column's output comes from one call's position holding that column, the first one running it
-    flat_columns = [(plan.calls[c].line, col) for group in plan.groups for c in group for col in plan.calls[c].columns]
-    assert [flat_columns[i] for i in plan.index.tolist()] == [(0, j) for j in range(L)]
+    assert [call.leaf for call in plan.calls] == [False, False, True, True, True, True]
+    # the root; the node (10, 11); all leaves (depth 2 after the folded node 12) in one call of 4 columns
+    assert plan.groups == ((0,), (1,), (2, 3, 4, 5)) and plan.widths == (3, 2, 4)
+    rows = [ids[r] for r in plan.rows[2].tolist()]
+    assert rows == [20, 21, 21, 21, 22, 22, 22, 22, 12, 23, 24, 25, 12, 26, 27, 27]
+    # every column's output comes from the first call's position holding that column
+    flat_columns = [col for rows in plan.rows for col in rows.tolist()]
+    assert [flat_columns[i] for i in plan.index.tolist()] == list(range(L))
 
 
 def test_standard_rows_are_one_run_each():
@@ -70,4 +75,5 @@ def test_standard_rows_are_one_run_each():
     assert [(r.line, r.start, r.end, r.parent) for r in walk.runs] == [(0, 0, 5, -1), (1, 0, 7, -1)]
     assert walk.padding == ((0, 5, 7),)
     plan = plan_calls(walk, *batch.input_ids.shape)
-    assert plan.index.tolist()[5:7] == [12, 12]  # padding reads the zero row after the 5 + 7 outputs
+    assert plan.groups == ((0, 1),) and plan.widths == (7,)  # two leaf roots: one call, the shorter padded
+    assert plan.index.tolist()[5:7] == [14, 14]  # the line's padding reads the zero row after the 2 x 7 outputs

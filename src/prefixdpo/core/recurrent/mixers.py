@@ -5,7 +5,7 @@ that keeps the stock call when no plan comes with it, so generation, the stock r
 caller that does not pass `pass_plan=` see the model unchanged.
 
 With `pass_plan=` (an object whose `spans` is [B, L, 2] long, `data.lines`), the mixer's own forward runs once per
-group of calls (`calls.plan_calls`: one depth and one length, stacked as a batch): a root group from no state (the
+group of calls (`calls.plan_calls`, stacked as a batch): a root group from no state (the
 mixer's own zero-state path), every deeper group from its parents' final states, handed in through a `RunStates`
 cache. The outputs go back to their columns with one gather; padding columns get zeros (nothing real reads them: they
 are no run's parent, and the attention rule gives them no real key).
@@ -65,10 +65,8 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
     outputs: list[torch.Tensor] = []
     finals: dict[int, tuple[int, int]] = {}  # call -> (its group, its row in the group's states)
     group_states: list[RunStates] = []
-    for group in calls_plan.groups:
-        rows = torch.tensor([calls[c].line * L + col for c in group for col in calls[c].columns],
-                            device=hidden_states.device)
-        x = flat_in[rows].view(len(group), -1, H)  # [n, length, H]
+    for group, width, rows in zip(calls_plan.groups, calls_plan.widths, calls_plan.rows):
+        x = flat_in[rows.to(hidden_states.device)].view(len(group), width, H)
         states = _parent_states(calls, group, finals, group_states, layer_idx)
         y = original(x, cache=states, attention_mask=None, **kwargs)
         if isinstance(y, tuple):  # a mixer returning (output, extras): only the output is per column
