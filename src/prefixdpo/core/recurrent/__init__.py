@@ -50,8 +50,22 @@ SUPPORTED_MIXERS: dict[str, str] = {
     "KimiLinearDeltaAttention": "kimi_linear",
 }
 
-# recurrent mixers known not to run this way, with why (one line each)
-UNSUPPORTED_MIXERS: dict[str, str] = {}
+_UNTESTED = ("reads its states through the same cache methods as the supported mixers, but has no exactness test "
+             "against separate passes yet")
+# recurrent mixers of transformers 5.25 that `prepare_recurrent` refuses, with why (one line each)
+UNSUPPORTED_MIXERS: dict[str, str] = {
+    "RecurrentGemmaRecurrentBlock": "keeps its convolution and RG-LRU states on the module itself, not in a cache, and "
+                                    "resets them where position_ids is 0, so no parent's state can be handed to it",
+    "MiniMaxLightningAttention": "keeps its state in MiniMax's own cache class, not through the linear-attention "
+                                 "cache methods a parent's state is handed in by",
+    "RwkvSelfAttention": "takes its state as the model-level `state` tuple of every layer, not per layer through a "
+                         "cache",
+    **dict.fromkeys(["BailingHybridDeltaAttention", "FalconMambaMixer", "Glm5NextTextLinearAttention",
+                     "InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2LoopShortConvolution",
+                     "JambaMambaMixer", "LaraMiniGatedDeltaNet", "Lfm2MoeShortConv", "MambaMixer", "Mamba2Mixer",
+                     "OlmoHybridGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
+                     "ZambaMambaMixer", "Zamba2MambaMixer"], _UNTESTED),
+}
 
 
 def supported_mixers(model: torch.nn.Module) -> list[str]:
