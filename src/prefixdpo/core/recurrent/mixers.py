@@ -17,6 +17,8 @@ layers None anyway.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from prefixdpo.core.recurrent.calls import CallPlan, plan_calls
@@ -35,7 +37,10 @@ def call_plan(spans: torch.Tensor) -> CallPlan:
     global _last_plan
     if _last_plan is None or _last_plan[0] is not spans:
         B, L = spans.shape[:2]
-        _last_plan = (spans, plan_calls(walk_spans(spans), B, L))
+        plan = plan_calls(walk_spans(spans), B, L)
+        # the gathers' indices where the pass runs, moved once rather than per layer and group
+        plan = replace(plan, rows=tuple(r.to(spans.device) for r in plan.rows), index=plan.index.to(spans.device))
+        _last_plan = (spans, plan)
     return _last_plan[1]
 
 
@@ -58,6 +63,11 @@ def _parent_states(calls, group, finals, group_states, layer_idx: int) -> RunSta
 def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwargs: dict) -> torch.Tensor:
     """The mixer `original` over lines of runs: hidden_states [B, L, H] -> [B, L, H_out] (module docstring)."""
     B, L, H = hidden_states.shape
+    if tuple(plan.spans.shape[:2]) != (B, L):  # e.g. a rank's columns under sequence parallelism
+        raise NotImplementedError(
+            f"a recurrent layer with a pass plan runs whole lines: its input holds {B} x {L} columns, the plan's "
+            f"spans {plan.spans.shape[0]} x {plan.spans.shape[1]} (a recurrence cannot be split over ranks by "
+            "columns)")
     calls_plan = call_plan(plan.spans)
     calls = calls_plan.calls
     kwargs = {k: v for k, v in kwargs.items() if k not in _LINE_KWARGS}
@@ -66,7 +76,7 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
     finals: dict[int, tuple[int, int]] = {}  # call -> (its group, its row in the group's states)
     group_states: list[RunStates] = []
     for group, width, rows in zip(calls_plan.groups, calls_plan.widths, calls_plan.rows):
-        x = flat_in[rows.to(hidden_states.device)].view(len(group), width, H)
+        x = flat_in[rows].view(len(group), width, H)
         states = _parent_states(calls, group, finals, group_states, layer_idx)
         y = original(x, cache=states, attention_mask=None, **kwargs)
         if isinstance(y, tuple):  # a mixer returning (output, extras): only the output is per column
@@ -76,7 +86,7 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
             finals[c] = (len(group_states), row)
         group_states.append(states)
     flat_out = torch.cat(outputs + [outputs[0].new_zeros(1, outputs[0].shape[-1])])
-    return flat_out[calls_plan.index.to(flat_out.device)].view(B, L, -1)
+    return flat_out[calls_plan.index].view(B, L, -1)
 
 
 def install(module: torch.nn.Module) -> bool:
