@@ -12,8 +12,16 @@ The pieces:
   before), in depth-first order, each with its parent run;
 - `states.RunStates`: the cache a mixer reads its initial conv/recurrent states from and writes its final ones to,
   out of place (transformers' own linear-attention cache writes in place: see its docstring);
+- `calls.plan_calls`: the mixer calls of those runs, batched (non-leaves by depth and length; all leaves, e.g. the
+  responses, in one call padded on the right), with no one-token call from a state (Mamba2's decode path updates
+  its state in place after saving it for backward: such a node is folded into its children's calls);
 - `mixers.install`: the wrapper put on each recurrent mixer module; with `pass_plan=` the mixer's OWN forward (its
-  convolution, its chunked rule with `initial_state=`, its Mamba2 scan) runs per depth-and-length group of runs.
+  convolution over `[state | inputs]`, its chunked rule with `initial_state=`, its Mamba2 scan) runs per call group.
+
+Verified on CPU (transformers' torch implementations), fp32, against stock separate passes: tests/test_recurrent_*.
+On CUDA the same path calls the kernels transformers picks (`fla`'s chunk rules take `initial_state=`, the
+convolution still runs over `[state | inputs]`); not yet run there. A model `kernelize`d with a hub kernel that keeps
+the convolution state itself (`causal_conv1d_forward` is replaceable) would bypass the cache: not supported.
 
 How a pass reaches the wrapper: the model is called as `model(..., pass_plan=plan)`, `plan.spans` [B, L, 2] long
 ((tin, tout) per column, (-1, -1) padding). transformers 5.25 hands an extra keyword of the model's forward to every
@@ -24,7 +32,8 @@ mask functions return a 4D mask unchanged for attention layers and give recurren
 ignores the recurrent layer's mask anyway (a run holds no padding).
 
 Call `prepare_recurrent(model)` once before passes with plans; it wraps every supported mixer and refuses a model
-with a recurrent layer type it cannot run this way (`unsupported_mixers`).
+with a recurrent layer type it cannot run this way (`unsupported_mixers`, one line naming the type and why). A pass
+with a plan must run whole lines from no cache (`use_cache=False`): a cache or a rank's share of the columns is refused.
 """
 
 from __future__ import annotations
