@@ -207,3 +207,29 @@ def test_a_recurrent_layer_that_cannot_take_a_parents_state_is_refused_by_name()
     assert message.startswith("RecurrentGemmaRecurrentBlock cannot share prefixes exactly: keeps its convolution")
     assert "\n" not in message
     assert not any(getattr(m, "_prefixdpo_recurrent", False) for m in model.modules())  # nothing half-wrapped
+
+
+def test_transformers_own_cache_writes_in_place_where_run_states_do_not():
+    """Why `RunStates` and not transformers' DynamicCache: its linear-attention layers `copy_` a mixer's final state
+    into the buffer the mixer read its initial state from, which Qwen3.5's chunked rule saved for backward."""
+    from transformers import DynamicCache
+
+    model = hybrid("qwen3_5_text")
+    mixer = model.model.layers[0].linear_attn
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    cache = DynamicCache(config=model.config)
+    through_cache = mixer(x[:, :5], cache=cache).sum() + mixer(x[:, 5:], cache=cache).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        through_cache.backward()
+    # the same prompt with two responses through RunStates: each response from the prompt's state, and the
+    # prompt's gradient (both responses' parts) equal to separate stock calls'
+    p, a, b = 5, 2, 2
+    tout = torch.tensor([p + a + b] * p + [p + a] * a + [p + a + b] * b)
+    runs = LinePlan(torch.stack([torch.arange(p + a + b), tout], -1)[None])
+    x.grad = None
+    mixer(x, pass_plan=runs).sum().backward()
+    first, second = x[:, :p + a].detach().requires_grad_(), torch.cat([x[:, :p], x[:, p + a:]], 1).detach()
+    second.requires_grad_()
+    (mixer(first).sum() + mixer(second)[:, p:].sum()).backward()
+    expected = torch.cat([first.grad[:, :p] + second.grad[:, :p], first.grad[:, p:], second.grad[:, p:]], 1)
+    assert_small((x.grad - expected).abs().max().item(), expected.abs().max().item(), k=K, what="input gradient")

@@ -3,6 +3,7 @@ state (`spans.walk_spans`, `calls.plan_calls`), on the lines prefixdpo lays out 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from prefixdpo.core.recurrent.calls import plan_calls
@@ -77,3 +78,9 @@ def test_standard_rows_are_one_run_each():
     plan = plan_calls(walk, *batch.input_ids.shape)
     assert plan.groups == ((0, 1),) and plan.widths == (7,)  # two leaf roots: one call, the shorter padded
     assert plan.index.tolist()[5:7] == [14, 14]  # the line's padding reads the zero row after the 2 x 7 outputs
+
+
+def test_spans_that_are_not_a_depth_first_layout_are_refused():
+    spans = torch.tensor([[[0, 3], [2, 3], [2, 3]]])  # column 1 claims column 2's node
+    with pytest.raises(ValueError, match="each real column's span"):
+        walk_spans(spans)

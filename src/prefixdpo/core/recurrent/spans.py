@@ -54,9 +54,13 @@ class SpanWalk:
 
 def walk_spans(spans: torch.Tensor) -> SpanWalk:
     """The `SpanWalk` of lines with node spans `spans` [B, L, 2] long ((tin, tout) per column, (-1, -1) padding)."""
-    tout = spans[..., 1].detach().to("cpu")
+    tin, tout = spans[..., 0].detach().to("cpu"), spans[..., 1].detach().to("cpu")
     B, L = tout.shape
     real = tout >= 0
+    columns = torch.arange(L).expand(B, L)
+    if not bool(((tin == columns) & (tout > columns) & (tout <= L))[real].all()):  # the layout `data.lines` builds
+        raise ValueError("a recurrent layer's pass plan needs each real column's span (its own column, the end of its "
+                         "subtree within the line)")
     # a new run starts at column 0, where realness changes, and where tout differs from the previous column's
     starts = torch.ones(B, L, dtype=torch.bool)
     if L > 1:

@@ -10,10 +10,11 @@ states we hand it.
 
 Why not transformers' own `DynamicCache` with `LinearAttentionLayer`s (measured in transformers 5.25's source):
 - `LinearAttentionLayer.update_conv_state` / `update_recurrent_state` write with `copy_` into buffers created by
-  `torch.zeros` (kept at a static address for CUDA graphs): the new state is then the *same tensor* the mixer read
-  its initial state from (`get_recurrent_state` returns the buffer, the chunked rule saves it for its backward), so
-  the in-place write either raises "modified by an inplace operation" in backward or, for a parent read by two
-  children, overwrites the state the second child needs;
+  `torch.zeros` (kept at a static address for CUDA graphs). autograd records the copy, so a single chain keeps its
+  graph (measured: LFM2's and NemotronH's input gradients through a DynamicCache equal one whole pass's), but the
+  new state is the *same tensor* the mixer read its initial state from: Qwen3.5's chunked rule saves that buffer for
+  its backward, and backward raises "modified by an inplace operation" (measured); and a parent read by two
+  children would have its state overwritten by the first child's before the second reads it;
 - a one-token call with a conv state takes the decode path `causal_conv1d_update`, which `copy_`s into the conv
   state it was handed, unless the cache says it records the past (`is_recording_past`);
 - `get_*_state` answers None until `has_previous_state`, which only an earlier update sets.
