@@ -34,7 +34,8 @@ from prefixdpo.data.example import Example
 from prefixdpo_tools.hybrid_models import tiny_hybrid_lm
 from tolerances import K, K_FORWARD, assert_small, bound, float64_model
 
-FAMILIES = ["qwen3_5_text", "lfm2", "nemotron_h", "kimi_linear", "qwen3_next", "lfm3", "bamba", "falcon_h1"]
+FAMILIES = ["qwen3_5_text", "lfm2", "nemotron_h", "kimi_linear", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe",
+            "lfm3", "bamba", "falcon_h1"]
 
 
 @dataclass(frozen=True)

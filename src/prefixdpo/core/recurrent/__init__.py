@@ -50,7 +50,9 @@ from prefixdpo.core.recurrent.states import RunStates
 SUPPORTED_MIXERS: dict[str, str] = {
     "Qwen3_5GatedDeltaNet": "qwen3_5_text",
     "Qwen3NextGatedDeltaNet": "qwen3_next",
+    "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe_text",
     "Lfm2ShortConv": "lfm2",
+    "Lfm2MoeShortConv": "lfm2_moe",
     "Lfm3ShortConv": "lfm3",
     "NemotronHMamba2Mixer": "nemotron_h",
     "GraniteMoeHybridMambaLayer": "granitemoehybrid",
@@ -71,8 +73,8 @@ UNSUPPORTED_MIXERS: dict[str, str] = {
                          "cache",
     **dict.fromkeys(["BailingHybridDeltaAttention", "FalconMambaMixer", "Glm5NextTextLinearAttention",
                      "InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2LoopShortConvolution",
-                     "JambaMambaMixer", "LaraMiniGatedDeltaNet", "Lfm2MoeShortConv", "MambaMixer", "Mamba2Mixer",
-                     "OlmoHybridGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
+                     "JambaMambaMixer", "LaraMiniGatedDeltaNet", "MambaMixer", "Mamba2Mixer",
+                     "OlmoHybridGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
                      "ZambaMambaMixer", "Zamba2MambaMixer"], _UNTESTED),
 }
 
