@@ -1,0 +1,113 @@
+"""The wrapper installed on each recurrent mixer: with a pass plan, the mixer runs run by run from its parent's state.
+
+`install(module)` replaces the module's `forward` (an instance attribute; the class's stays untouched) with a wrapper
+that keeps the stock call when no plan comes with it, so generation, the stock reference passes of `verify` and every
+caller that does not pass `pass_plan=` see the model unchanged.
+
+With `pass_plan=` (an object whose `spans` is [B, L, 2] long, `data.lines`), the mixer's own forward runs once per
+group of calls (`calls.plan_calls`, stacked as a batch): a root group from no state (the
+mixer's own zero-state path), every deeper group from its parents' final states, handed in through a `RunStates`
+cache. The outputs go back to their columns with one gather; padding columns get zeros (nothing real reads them: they
+are no run's parent, and the attention rule gives them no real key).
+
+The recurrent layer's own `attention_mask` (its 2D padding mask) is not passed on with a plan: a call holds no padding,
+and prefixdpo hands the model a 4D mask, for which transformers' `create_recurrent_attention_mask` gives the recurrent
+layers None anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from prefixdpo.core.recurrent.calls import CallPlan, plan_calls
+from prefixdpo.core.recurrent.spans import walk_spans
+from prefixdpo.core.recurrent.states import RunStates
+
+# kwargs of a whole-line pass that must not reach a call over some of its columns: flash varlen's sequence lengths
+_LINE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+
+_last_plan: tuple[torch.Tensor, CallPlan] | None = None  # every layer of a pass plans the same spans once
+
+
+def call_plan(spans: torch.Tensor) -> CallPlan:
+    """The `CallPlan` of lines with node spans `spans` [B, L, 2], remembered for the last spans tensor (the same object
+    reaches every layer of a pass, and gradient checkpointing's recompute)."""
+    global _last_plan
+    if _last_plan is None or _last_plan[0] is not spans:
+        B, L = spans.shape[:2]
+        plan = plan_calls(walk_spans(spans), B, L)
+        # the gathers' indices where the pass runs, moved once rather than per layer and group
+        plan = replace(plan, rows=tuple(r.to(spans.device) for r in plan.rows), index=plan.index.to(spans.device))
+        _last_plan = (spans, plan)
+    return _last_plan[1]
+
+
+def _parent_states(calls, group, finals, group_states, layer_idx: int) -> RunStates:
+    """The initial states of a group of calls: their parents' final states, stacked in the group's order."""
+    if calls[group[0]].parent < 0:  # a group is all roots or all children (one depth)
+        return RunStates(layer_idx)
+    conv: dict[int, list[torch.Tensor]] = {}
+    recurrent: dict[int, list[torch.Tensor]] = {}
+    for c in group:
+        g, row = finals[calls[c].parent]
+        for target, source in ((conv, group_states[g].conv), (recurrent, group_states[g].recurrent)):
+            for k, v in source.items():
+                if v is not None:
+                    target.setdefault(k, []).append(v[row:row + 1])
+    return RunStates(layer_idx, {k: torch.cat(v) for k, v in conv.items()},
+                     {k: torch.cat(v) for k, v in recurrent.items()})
+
+
+def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwargs: dict) -> torch.Tensor:
+    """The mixer `original` over lines of runs: hidden_states [B, L, H] -> [B, L, H_out] (module docstring)."""
+    B, L, H = hidden_states.shape
+    if tuple(plan.spans.shape[:2]) != (B, L):  # e.g. a rank's columns under sequence parallelism
+        raise NotImplementedError(
+            f"a recurrent layer with a pass plan runs whole lines: its input holds {B} x {L} columns, the plan's "
+            f"spans {plan.spans.shape[0]} x {plan.spans.shape[1]} (a recurrence cannot be split over ranks by "
+            "columns)")
+    calls_plan = call_plan(plan.spans)
+    calls = calls_plan.calls
+    kwargs = {k: v for k, v in kwargs.items() if k not in _LINE_KWARGS}
+    flat_in = hidden_states.reshape(B * L, H)
+    outputs: list[torch.Tensor] = []
+    finals: dict[int, tuple[int, int]] = {}  # call -> (its group, its row in the group's states)
+    group_states: list[RunStates] = []
+    for group, width, rows in zip(calls_plan.groups, calls_plan.widths, calls_plan.rows):
+        x = flat_in[rows].view(len(group), width, H)
+        states = _parent_states(calls, group, finals, group_states, layer_idx)
+        y = original(x, cache=states, attention_mask=None, **kwargs)
+        if isinstance(y, tuple):  # a mixer returning (output, extras): only the output is per column
+            y = y[0]
+        outputs.append(y.reshape(-1, y.shape[-1]))
+        for row, c in enumerate(group):
+            finals[c] = (len(group_states), row)
+        group_states.append(states)
+    flat_out = torch.cat(outputs + [outputs[0].new_zeros(1, outputs[0].shape[-1])])
+    return flat_out[calls_plan.index].view(B, L, -1)
+
+
+def install(module: torch.nn.Module) -> bool:
+    """Wrap `module`'s forward (once) so a call with `pass_plan=` runs run by run; True if newly wrapped."""
+    if getattr(module, "_prefixdpo_recurrent", False):
+        return False
+    original = module.forward  # the bound stock forward, with its decorators (kwarg renames, accelerate hooks)
+    layer_idx = module.layer_idx
+
+    def forward(hidden_states, *args, **kwargs):
+        plan = kwargs.pop("pass_plan", None)
+        if plan is None:
+            return original(hidden_states, *args, **kwargs)
+        cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("cache_params", None)
+        if args or cache is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} with a pass plan runs only whole lines from the zero state (no cache, "
+                "keyword arguments only)")
+        kwargs.pop("attention_mask", None)
+        return run_forward(original, layer_idx, hidden_states, plan, kwargs)
+
+    module.forward = forward
+    module._prefixdpo_recurrent = True
+    return True
