@@ -76,8 +76,8 @@ def unshareable_layers(model) -> list[str]:
     """The layer types of `model` that prefixdpo cannot yet run on prefix-shared lines, sorted (empty: none).
 
     The one list of them: every layer type a config names (`layer_types`, or `layers_block_type` as NemotronH,
-    Granite 4, Bamba, Falcon-H1) that is neither attention nor per-token, e.g. Gated DeltaNet's and Kimi Delta
-    Attention's "linear_attention", LFM2's "conv", Mamba2's "mamba", Falcon-H1's "hybrid": each carries a
+    Granite 4, Bamba, Falcon-H1) that is neither attention nor per-token, e.g. "linear_attention" (Gated DeltaNet,
+    Kimi Delta Attention, and Mamba2 as transformers 5 names it), LFM2's "conv", Falcon-H1's "hybrid": each carries a
     convolution window or a recurrent state along the sequence, which runs from one response straight into the next
     on a shared line whatever the attention mask. A config that names no layer types gives such a layer away by a
     sequence convolution (`nn.Conv1d`): the class names of the modules that hold one.
@@ -122,7 +122,7 @@ def refusal(model, backend: str) -> str | None:
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
         return f"{name} does not support FlexAttention (attention=flex); or train it with {SHARING_OFF}"
     if getattr(cfg, "model_type", "") in _ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False):
-        return f"{name} uses ALiBi position bias, which ignores position ids"
+        return f"{name} uses ALiBi position bias, which ignores position ids; or train it with {SHARING_OFF}"
     return None
 
 
