@@ -5,7 +5,7 @@ Mamba2 beside attention, and gpt-oss's attention sinks) carry state along the se
 attention does not reproduce on shared lines. With prefix sharing off they run their own attention implementation
 on TRL's right-padded rows with a 2D padding mask (`core.stock_attention`, pass backend STOCK). Shown here:
 - `prefixdpo train --prefix_sharing false` runs every family (one step); reward, grpo and rloo run some;
-- one DPOTrainer step of TRL 1.16 on Qwen3.5, LFM2 and NemotronH (a Mamba2 hybrid) equals ours: logged loss,
+- one DPOTrainer step of TRL 1.16 on Qwen3.5, LFM2, NemotronH (a Mamba2 hybrid) and gpt-oss equals ours: logged loss,
   rewards and log-probs (`tolerances.assert_same_dpo_log` at K, as `test_trl_parity.compare`), grad norm, and every
   gradient, read off an SGD step (`tolerances.sgd_grad_scale`); the worst of each printed as a REPORT line (-s);
 - RewardTrainer on gpt-oss (eager attention with sinks and a sliding window) equals ours step for step;
@@ -204,7 +204,8 @@ def dpo_step(trainer_cls, config_cls, model, records, options: dict):
     return step_logs(trainer), start, trained
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h"])
+# gpt-oss: eager attention with sinks, and a MoE load-balancing loss (coefficient 0.001) in the step's loss
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss"])
 def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
     import datasets
     from trl import DPOConfig, DPOTrainer
