@@ -179,6 +179,24 @@ def test_prefix_sharing_on_refuses_attention_sinks_naming_the_way_out(saved, tmp
                                   "(attention=sdpa); or train it with --prefix_sharing false")
 
 
+def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_line(saved, tmp_path, capsys):
+    """A Llama policy runs prefixdpo's attention with prefix sharing off; a Qwen3.5 reference cannot run its passes
+    (the other way round, a hybrid policy's reference runs its own attention too: it trains)."""
+    from conftest import tiny_model
+
+    llama = tmp_path / "llama"
+    tiny_model("llama", vocab_size=len(tokenizer()), pad_token_id=tokenizer().pad_token_id).save_pretrained(llama)
+    tokenizer().save_pretrained(llama)
+    (tmp_path / "pairs.jsonl").write_text((saved("qwen3_5_text").parent / "pairs.jsonl").read_text())
+    off = ("--prefix_sharing", "false")
+    assert run_cli("train", llama, tmp_path / "a", *off, "--ref_model_name_or_path", str(saved("qwen3_5_text"))) == 2
+    assert error_line(capsys) == (
+        "prefixdpo train: error: ref_model Qwen3_5ForCausalLM cannot run the policy's passes, which run prefixdpo's "
+        "attention (attention=sdpa): its layers of type ['linear_attention']; use a reference of the policy's "
+        "architecture, or none (a frozen copy of the policy)")
+    assert run_cli("train", saved("qwen3_5_text"), tmp_path / "b", *off, "--ref_model_name_or_path", str(llama)) == 0
+
+
 def test_packing_is_refused_for_a_model_on_its_own_attention(saved, tmp_path, capsys):
     assert run_cli("train", saved("lfm2"), tmp_path / "out", "--prefix_sharing", "false", "--packing", "true") == 2
     assert error_line(capsys) == (

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.core.model_checks import base_model, prepare_model, refusal, unwrap
+from prefixdpo.core.model_checks import base_model, prepare_model, refusal, unshareable_layers, unwrap
 from prefixdpo.core.stock_attention import STOCK, stock_implementation
 
 
@@ -120,8 +120,11 @@ def prepare_reference(ref_model, args, *, backend: str, policy_dtype=torch.float
     if isinstance(ref_model, str):
         ref_model = _load(ref_model, args, dtype=policy_dtype)
     if prepare_model(ref_model, backend, prefix_sharing=args.prefix_sharing) != backend:  # its passes: the policy's
-        raise ConfigError(f"ref_model {type(base_model(ref_model)).__name__} cannot run the policy's passes (prefixdpo's "
-                          f"attention, attention={backend}): {refusal(ref_model, backend)}")
+        layers = unshareable_layers(ref_model)
+        why = f"its layers of type {layers}" if layers else refusal(ref_model, backend)
+        raise ConfigError(f"ref_model {type(base_model(ref_model)).__name__} cannot run the policy's passes, which run "
+                          f"prefixdpo's attention (attention={backend}): {why}; use a reference of the policy's "
+                          "architecture, or none (a frozen copy of the policy)")
     if args.disable_dropout:
         disable_dropout(ref_model)
     return ref_model
