@@ -139,8 +139,7 @@ def test_precomputed_reference_runs_unshared_rows(saved, tmp_path):
 
 
 @pytest.mark.parametrize("command,family", [("reward", "gpt_oss"), ("reward", "qwen3_5_text"), ("grpo", "lfm2"),
-                                            ("grpo", "nemotron_h"), ("grpo", "kimi_linear"), ("rloo", "gpt_oss"),
-                                            ("rloo", "bamba")])
+                                            ("grpo", "nemotron_h"), ("grpo", "kimi_linear"), ("rloo", "gpt_oss")])
 def test_reward_grpo_and_rloo_run_with_prefix_sharing_off(command, family, saved, tmp_path):
     assert run_cli(command, saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
 
