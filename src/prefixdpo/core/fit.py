@@ -34,6 +34,7 @@ from prefixdpo.data.loader import LoaderSettings, resolve_pack_length, row_lengt
 from prefixdpo.data.loader import _check_rows_fit as check_rows_fit  # the loader's own message, met earlier
 from prefixdpo.errors import UserError
 from prefixdpo.core.model_checks import base_model, sliding_window_of, text_config
+from prefixdpo.core.stock_attention import on_stock_route
 
 __all__ = ["DataDoesNotFitError", "position_limit", "model_limits", "refuse_over_limit", "check_positions", "mask_bytes", "memory_bound",
            "check_mask_memory", "FitSettings", "check_run_fits", "activation_bytes_per_token", "auto_tokens_per_pass",
@@ -99,7 +100,8 @@ def model_limits(model, *, window: bool = True) -> list[tuple[int, str]]:
     positions = position_limit(model)
     if positions is not None:
         limits.append((positions, f"the {positions} positions of {type(hf).__name__} (max_position_embeddings)"))
-    size = sliding_window_of(hf) if window else None
+    # a model on its own attention (`core.stock_attention`, prefix sharing off) slides its window itself
+    size = sliding_window_of(hf) if window and not on_stock_route(hf) else None
     if size is not None:
         limits.append((size, f"the sliding-window attention of {type(hf).__name__} (window {size}), which "
                              "prefix sharing does not reproduce over a shared row"))

@@ -1,6 +1,8 @@
 """What prefixdpo needs to know about a Hugging Face model before it runs it: the model inside engine and PEFT
-wrappers, its text config, whether the prefix-sharing rule reproduces its attention (refused naming the
-feature where not), switching it to prefixdpo's attention, and a saved config that loads without prefixdpo."""
+wrappers, its text config, whether the prefix-sharing rule reproduces its layers (`unshareable_layers`, the one list
+of the layer types it cannot yet; refused naming the feature where not), switching it to prefixdpo's attention or,
+with prefix sharing off, keeping its own (`core.stock_attention`), and a saved config that loads without
+prefixdpo."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import torch
 
 from prefixdpo.core.attention.backends import ATTENTION_NAME
 from prefixdpo.core.logprobs import UnsupportedModelError
+from prefixdpo.core.stock_attention import STOCK, on_stock_route, use_stock_attention
 from prefixdpo.data.batch import Batch
 
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _ALIBI_MODEL_TYPES = {"bloom", "mpt", "falcon", "baichuan"}
 
 
@@ -50,8 +52,12 @@ def sliding_window_of(model) -> int | None:
 
 def check_sequences_fit_window(model, batch: Batch) -> None:
     """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window:
-    the rule does not reproduce attention that slides over a shared row."""
-    window = sliding_window_of(base_model(model))
+    the rule does not reproduce attention that slides over a shared row (a model on its own attention, the
+    `STOCK` route, slides exactly: nothing to check)."""
+    base = base_model(model)
+    if on_stock_route(base):
+        return
+    window = sliding_window_of(base)
     if window is not None and batch.max_sequence_length > window:
         raise UnsupportedModelError(
             f"sliding-window attention (window {window}) is shorter than a sequence of "
@@ -60,44 +66,100 @@ def check_sequences_fit_window(model, batch: Batch) -> None:
         )
 
 
-def check_model_supported(model, backend: str) -> None:
-    """Refuse, naming the feature, any model whose attention semantics the rule does not reproduce."""
+# The layer types the prefix-sharing rule reproduces: attention, whose mask is ours to give ...
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# ... and blocks that mix nothing across tokens (NemotronH names its MLP and MoE blocks as layer types)
+_PER_TOKEN_LAYER_TYPES = {"mlp", "moe"}
+
+
+def unshareable_layers(model) -> list[str]:
+    """The layer types of `model` that prefixdpo cannot yet run on prefix-shared lines, sorted (empty: none).
+
+    The one list of them: every layer type a config names (`layer_types`, or `layers_block_type` as NemotronH,
+    Granite 4, Bamba, Falcon-H1) that is neither attention nor per-token, e.g. "linear_attention" (Gated DeltaNet,
+    Kimi Delta Attention, and Mamba2 as transformers 5 names it), LFM2's "conv", Falcon-H1's "hybrid": each carries a
+    convolution window or a recurrent state along the sequence, which runs from one response straight into the next
+    on a shared line whatever the attention mask. A config that names no layer types gives such a layer away by a
+    sequence convolution (`nn.Conv1d`): the class names of the modules that hold one.
+    """
+    base = base_model(model)
+    cfg = text_config(base)
+    named = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
+    if named:
+        return sorted(set(named) - _ATTENTION_LAYER_TYPES - _PER_TOKEN_LAYER_TYPES)
+    return sorted({type(module).__name__ for module in base.modules()
+                   if any(isinstance(child, torch.nn.Conv1d) for child in module.children())})
+
+
+SHARING_OFF = "--prefix_sharing false"  # the option that trains such a model anyway, as TRL does
+
+
+def unshareable_message(name: str, layers: list[str]) -> str:
+    """The one line refusing prefix sharing for model class `name` with `unshareable_layers` `layers`."""
+    return (f"{name} has layers of type {layers}, which carry a convolution or recurrent state along the sequence: "
+            "prefixdpo cannot reproduce them on prefix-shared lines yet; train it without prefix sharing "
+            f"({SHARING_OFF}: TRL's padded rows on the model's own attention)")
+
+
+def refusal(model, backend: str) -> str | None:
+    """Why prefixdpo's attention on `backend` cannot reproduce `model` on prefix-shared lines (one line), or None.
+    Every reason but an encoder-decoder's and missing position ids (`check_runs_unshared`) is one that prefix sharing
+    off gets round by running the model's own attention (`core.stock_attention`)."""
     base = base_model(model)
     cfg = text_config(base)
     name = type(base).__name__
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
+    layers = unshareable_layers(base)
+    if layers:
+        return unshareable_message(name, layers)
     if not getattr(base, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name} does not dispatch attention through transformers' AttentionInterface; "
-            "prefixdpo cannot give it the prefix-sharing mask"
-        )
+        return (f"{name} does not dispatch attention through transformers' AttentionInterface; prefixdpo cannot give "
+                f"it the prefix-sharing mask (train it with {SHARING_OFF})")
     if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
-        raise UnsupportedModelError(
-            f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA)"
-        )
+        return (f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA); or train it "
+                f"with {SHARING_OFF}")
     if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False):
-        raise UnsupportedModelError(f"{name} does not support SDPA attention")
+        return f"{name} does not support SDPA attention (attention={backend}); or train it with {SHARING_OFF}"
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
-        raise UnsupportedModelError(f"{name} does not support FlexAttention")
-    layer_types = set(getattr(cfg, "layer_types", None) or ())
-    if layer_types - _SUPPORTED_LAYER_TYPES:
-        raise UnsupportedModelError(
-            f"{name} has layers of type {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} (not plain attention), "
-            "which ignore the attention mask"
-        )
+        return f"{name} does not support FlexAttention (attention=flex); or train it with {SHARING_OFF}"
     if getattr(cfg, "model_type", "") in _ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False):
-        raise UnsupportedModelError(f"{name} uses ALiBi position bias, which ignores position ids")
+        return f"{name} uses ALiBi position bias, which ignores position ids; or train it with {SHARING_OFF}"
+    return None
+
+
+def check_runs_unshared(model) -> None:
+    """Refuse a model no prefixdpo pass can run, even unshared: an encoder-decoder, or a forward without
+    position_ids (every pass hands them over)."""
+    base = base_model(model)
+    name = type(base).__name__
+    if getattr(text_config(base), "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
     if "position_ids" not in inspect.signature(base.forward).parameters:
         raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
 
 
-def prepare_model(model, backend: str = "sdpa") -> None:
-    """Switch the model to prefixdpo's attention implementation (after checking it is supported)."""
-    check_model_supported(model, backend)
+def check_model_supported(model, backend: str) -> None:
+    """Refuse, naming the feature, any model whose attention semantics the rule does not reproduce."""
+    check_runs_unshared(model)
+    reason = refusal(model, backend)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
+
+
+def prepare_model(model, backend: str = "sdpa", prefix_sharing: bool = True) -> str:
+    """Make `model` ready for passes on `backend` and return the pass backend its runs use: prefixdpo's attention
+    on `backend` (after checking it is supported), or, with `prefix_sharing` off and a model prefixdpo's attention
+    cannot run (`refusal`), or where `backend` already is `STOCK`, the model's own attention (`STOCK`,
+    `core.stock_attention`: TRL's passes)."""
     base = base_model(model)
+    if backend == STOCK or (not prefix_sharing and refusal(model, backend) is not None):
+        check_runs_unshared(model)
+        use_stock_attention(base)
+        return STOCK
+    check_model_supported(model, backend)
+    use_stock_attention(base, on=False)
     if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
         base.set_attn_implementation(ATTENTION_NAME)
+    return backend
 
 
 def restore_stock_attention(folder: str) -> None:

@@ -80,5 +80,8 @@ def router_aux_loss(model, router_logits: list[torch.Tensor], batch: Batch) -> t
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     cfg = text_config(base_model(model))
-    return load_balancing_loss_func(tuple(router_logits), cfg.num_experts, cfg.num_experts_per_tok,
+    # configs name their experts two ways (Granite 4 hybrid: num_local_experts only); the MoE families' own copies
+    # of the function (gpt-oss, Granite 4 hybrid, Qwen3-Next: what TRL's DPO takes from the model) are Mixtral's
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    return load_balancing_loss_func(tuple(router_logits), experts, cfg.num_experts_per_tok,
                                     trl_token_multiplicity(batch))

@@ -32,7 +32,8 @@ from typing import Sequence
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.stock_attention import STOCK, pass_mask
 from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.engines_deepspeed import reference_copy
 from prefixdpo.core.forward import compute_response_logps
@@ -168,8 +169,9 @@ class ModelPassReference(Reference):
 
     def _mask(self, batch: Batch):
         """A table batch's mask (one per batch, no grad)."""
-        backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=False)
-        return batch_attention_mask(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
+        backend = self.backend if self.backend == STOCK else resolve_backend(self.backend, batch.input_ids.device,
+                                                                             needs_grad=False)
+        return pass_mask(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""
@@ -188,7 +190,7 @@ class ModelPassReference(Reference):
             return load_or_compute_table(
                 model, examples, cache_dir, sums_of=lambda batch: self.sums(policy, batch, self._mask(batch)),
                 skip_adapter=self.adapter_off, settings=settings, batch_size=batch_size, pad_token_id=pad_token_id,
-                device=device,
+                device=device, prefix_sharing=self.backend != STOCK,  # the model's own attention: unshared rows
             )
 
 

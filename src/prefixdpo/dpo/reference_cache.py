@@ -67,9 +67,10 @@ def cache_key(model, examples: Sequence[Example], settings: dict, *, skip_adapte
 
 
 def compute_table(sums_of: Callable[[Batch], torch.Tensor], examples: Sequence[Example], *, batch_size: int = 8,
-                  pad_token_id: int = 0, device="cpu") -> RefLogpsTable:
-    """The table of `examples`: `sums_of(batch)` -> no-grad sums [R] over prefix-shared batches of `batch_size`
-    examples on `device`, the examples shared out over ranks, then gathered."""
+                  pad_token_id: int = 0, device="cpu", prefix_sharing: bool = True) -> RefLogpsTable:
+    """The table of `examples`: `sums_of(batch)` -> no-grad sums [R] over prefix-shared batches (unshared rows with
+    `prefix_sharing` False: a model on its own attention, `core.stock_attention`) of `batch_size` examples on
+    `device`, the examples shared out over ranks, then gathered."""
     rank, world = rank_and_world()
     mine = list(range(rank, len(examples), world))
     mine.sort(key=lambda i: examples[i].shared_length)  # similar lengths together: less padding
@@ -79,7 +80,8 @@ def compute_table(sums_of: Callable[[Batch], torch.Tensor], examples: Sequence[E
     for start in range(0, batches * batch_size, batch_size):
         ids = mine[start : start + batch_size]
         run = ids or [0]  # a rank out of examples runs example 0 and keeps nothing
-        batch = build_batch([examples[i] for i in run], prefix_sharing=True, pad_token_id=pad_token_id).to(device)
+        batch = build_batch([examples[i] for i in run], prefix_sharing=prefix_sharing,
+                            pad_token_id=pad_token_id).to(device)
         sums = sums_of(batch).detach().float().cpu()
         offset = 0
         for i in ids:
@@ -183,7 +185,7 @@ def write_table(path: str, table: RefLogpsTable, key: str) -> None:
 def load_or_compute_table(
     model, examples: Sequence[Example], cache_dir: str, *, sums_of: Callable[[Batch], torch.Tensor],
     skip_adapter: bool = False, settings: dict | None = None, batch_size: int = 8, pad_token_id: int = 0,
-    device=None,
+    device=None, prefix_sharing: bool = True,
 ) -> tuple[RefLogpsTable, str, bool]:
     """The reference table of `examples` from `cache_dir` if the file of this key proves it holds it
     (`read_cached_table`), else computed by `sums_of` (`compute_table`) and saved. Returns (table, path,
@@ -191,6 +193,7 @@ def load_or_compute_table(
 
     model: the weights the table comes from, for the key (`skip_adapter`: its LoRA weights left out, the
            reference being the base model with the adapter off); `device` defaults to its parameters'.
+    prefix_sharing: the layout of the batches computed (`compute_table`); the same sums either way, so not in the key.
 
     Ranks take one decision: rank 0 alone reads the cache, and its hit or miss, with the table on a hit,
     is broadcast, so other ranks never read their own disk (a per-node `~/.cache` may be empty or hold
@@ -205,7 +208,8 @@ def load_or_compute_table(
     if table is not None:
         return table, path, True
     device = device or next(unwrap(model).parameters()).device
-    table = compute_table(sums_of, examples, batch_size=batch_size, pad_token_id=pad_token_id, device=device)
+    table = compute_table(sums_of, examples, batch_size=batch_size, pad_token_id=pad_token_id, device=device,
+                          prefix_sharing=prefix_sharing)
     if rank == 0:
         write_table(path, table, key)
     return table, path, False

@@ -44,8 +44,9 @@ class PrefixDPOTrainer(DPOTrainingStep, PrefixTrainerBase):
                  eval_dataset=None, processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
         args = self._checked_args(args, PrefixDPOConfig)
-        model, processing_class = prepare_policy(model, args, backend=self.backend, peft_config=peft_config,
-                                                 tokenizer=processing_class)
+        # the pass backend: `STOCK` (the model's own attention) for a model prefix sharing off runs as TRL does
+        model, processing_class, self.backend = prepare_policy(model, args, backend=self.backend,
+                                                               peft_config=peft_config, tokenizer=processing_class)
         self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
         precompute = (Batches("reference precompute", "precompute_ref_batch_size", args.precompute_batch_size),)
         train_examples, eval_examples = self._examples_that_fit(

@@ -81,6 +81,16 @@ class CachedLayout:
         return key == self.key and _same(self.input_ids, input_ids) and _same(self.attention_mask, attention_mask)
 
 
+def check_trl_aux_loss(model, enabled: bool, coef: float) -> None:
+    """Refuse in one line a MoE load-balancing loss TRL 1.16's GRPO/RLOO passes would crash on (an AttributeError in
+    `trl.trainer.utils`' fused head): it reads `num_experts` from the text config, which Granite 4 hybrid's lacks
+    (it names num_local_experts)."""
+    cfg = text_config(base_model(model))
+    if enabled and not hasattr(cfg, "num_experts"):
+        raise ConfigError(f"router_aux_loss_coef={coef}: TRL 1.16's GRPO/RLOO passes read num_experts from the model "
+                          f"config, which {type(cfg).__name__} does not have; set --router_aux_loss_coef 0")
+
+
 class PrefixSharedLogps:
     """The log-prob passes of a TRL group trainer on prefix-shared rows (mixed in before the TRL class)."""
 
@@ -102,7 +112,8 @@ class PrefixSharedLogps:
         if size > 1:
             sequence_parallel.check_model(self.model, size)
         self.sequence_parallel = sequence_parallel.new_sequence_parallel(size)
-        if not settings.prefix_sharing:
+        if not settings.prefix_sharing:  # TRL's own passes, on the model's own attention
+            check_trl_aux_loss(self.model, getattr(self, "aux_loss_enabled", False), self.router_aux_loss_coef)
             return
         backend = resolve_backend(settings.attention, self.args.device, needs_grad=True)
         for model in (self.model, self.ref_model):

@@ -50,7 +50,15 @@ def load_reward_model(name_or_path, *, dtype="float32", trust_remote_code: bool 
 
         set_seed(seed)
     with _quiet_head_swap():
-        return AutoModelForSequenceClassification.from_pretrained(str(name_or_path), **kwargs)
+        try:
+            return AutoModelForSequenceClassification.from_pretrained(str(name_or_path), **kwargs)
+        except ValueError as err:  # transformers' words for an architecture with no such class (LFM2, gpt-oss...)
+            if not str(err).startswith("Unrecognized configuration class"):
+                raise
+            kind = str(err).split("<class '")[1].split("'")[0].rsplit(".", 1)[-1] if "<class '" in str(err) else "its"
+            raise ConfigError(f"{name_or_path}: transformers has no sequence-classification model for {kind} "
+                              "(AutoModelForSequenceClassification, which TRL's RewardTrainer loads too); a reward "
+                              "model needs one") from None
 
 
 def _tokens_in_vocab(tokenizer, **tokens) -> None:
@@ -88,7 +96,8 @@ def agree_special_tokens(model, tokenizer, args) -> None:
 
 
 def prepare_reward_model(model, args, *, backend: str, peft_config=None, tokenizer=None):
-    """(model, tokenizer) ready to train; `model` may be a name/path (its tokenizer is loaded too)."""
+    """(model, tokenizer, the pass backend of the run: `model_setup.prepare_policy`) ready to train; `model` may be a
+    name/path (its tokenizer is loaded too)."""
     if isinstance(model, str):
         from prefixdpo.core.models import load_tokenizer
 

@@ -13,7 +13,7 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 
 from __future__ import annotations
 
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.stock_attention import pass_mask
 from prefixdpo.data.loader import MicroBatch
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import reward_examples
@@ -40,8 +40,9 @@ class PrefixRewardTrainer(PrefixTrainerBase):
                  processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
         args = self._checked_args(args, PrefixRewardConfig)
-        model, processing_class = prepare_reward_model(model, args, backend=self.backend, peft_config=peft_config,
-                                                       tokenizer=processing_class)
+        # the pass backend: `STOCK` (the model's own attention) for a model prefix sharing off runs as TRL does
+        model, processing_class, self.backend = prepare_reward_model(
+            model, args, backend=self.backend, peft_config=peft_config, tokenizer=processing_class)
         self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
         train, evals = self._examples_that_fit(model, args, data_options or reward_data_options(args), train_dataset,
                                                eval_dataset, processing_class)
@@ -61,7 +62,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
         batch = inputs.batch.to(self.args.device)
-        mask = batch_attention_mask(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
+        mask = pass_mask(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
         scores = compute_response_scores(model, batch, mask)
         if batch.num_pairs == 0:
             return None, scores

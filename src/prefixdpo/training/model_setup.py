@@ -1,12 +1,16 @@
 """The policy and reference made ready for prefixdpo training: loaded if named, wrapped with PEFT, dropout
-off (as TRL's `disable_dropout`), and switched to prefixdpo's attention (`model_checks.prepare_model`)."""
+off (as TRL's `disable_dropout`), and switched to prefixdpo's attention (`model_checks.prepare_model`), or, with
+prefix sharing off and a model that attention cannot run, kept on its own (`core.stock_attention`)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.core.model_checks import prepare_model, unwrap
+from prefixdpo.core.model_checks import base_model, prepare_model, refusal, unshareable_layers, unwrap
+from prefixdpo.core.stock_attention import STOCK, stock_implementation
 
 
 def is_peft_model(model) -> bool:
@@ -34,7 +38,9 @@ def _load(name: str, args, dtype="float32"):
 
 
 def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=None):
-    """(model, tokenizer) ready to train; `model` may be a name/path (its tokenizer is loaded too)."""
+    """(model, tokenizer, the pass backend of the run) ready to train; `model` may be a name/path (its tokenizer is
+    loaded too). The pass backend is `backend`, or `STOCK` where prefix sharing is off and prefixdpo's attention
+    cannot run the model (`model_checks.prepare_model`; its options checked by `check_stock_route`)."""
     if isinstance(model, str):
         from prefixdpo.core.models import load_tokenizer
 
@@ -60,8 +66,28 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
             adapters_to_bf16(model)
     if args.disable_dropout:
         disable_dropout(model)
-    prepare_model(model, backend)
-    return model, tokenizer
+    run_backend = prepare_model(model, backend, prefix_sharing=args.prefix_sharing)
+    if run_backend == STOCK:
+        check_stock_route(model, args, backend)
+    return model, tokenizer, run_backend
+
+
+def check_stock_route(model, args, backend: str) -> None:
+    """One-line ConfigErrors for the options the `STOCK` route (the model's own attention on padded rows) cannot
+    run, and a log line saying the route is taken and why. backend: the one prefixdpo's attention would have run."""
+    base = base_model(model)
+    name, reason = type(base).__name__, refusal(model, backend)
+    if args.packing:
+        # the model's own attention and its recurrent layers see a packed line as one sequence
+        raise ConfigError(f"packing=true cannot run {name} with prefix sharing off: its own attention and layers would "
+                          "run one packed sequence into the next (prefixdpo's attention, which keeps them apart, "
+                          "cannot run it); set --packing false")
+    if getattr(args, "sequence_parallel_size", 1) > 1:
+        raise ConfigError(f"sequence_parallel_size > 1 needs prefixdpo's attention, which cannot run {name}; set "
+                          "--sequence_parallel_size 1")
+    logging.getLogger(__name__).info(
+        "prefix sharing off: %s runs its own attention (%s) on padded rows, as TRL's trainers run it (%s)", name,
+        stock_implementation(base), reason)
 
 
 def is_quantized(model) -> bool:
@@ -93,7 +119,12 @@ def prepare_reference(ref_model, args, *, backend: str, policy_dtype=torch.float
         return None
     if isinstance(ref_model, str):
         ref_model = _load(ref_model, args, dtype=policy_dtype)
-    prepare_model(ref_model, backend)
+    if prepare_model(ref_model, backend, prefix_sharing=args.prefix_sharing) != backend:  # its passes: the policy's
+        layers = unshareable_layers(ref_model)
+        why = f"its layers of type {layers}" if layers else refusal(ref_model, backend)
+        raise ConfigError(f"ref_model {type(base_model(ref_model)).__name__} cannot run the policy's passes, which run "
+                          f"prefixdpo's attention (attention={backend}): {why}; use a reference of the policy's "
+                          "architecture, or none (a frozen copy of the policy)")
     if args.disable_dropout:
         disable_dropout(ref_model)
     return ref_model

@@ -46,7 +46,9 @@ PREFIX_TREE_HELP = (
 
 PREFIX_SHARING_HELP = (
     "Run each prompt once with all its responses (GRPO/RLOO: its completions) as branches after it in one row, each "
-    "branch attending to the prompt and itself only (off: the standard padded rows, TRL's own passes).")
+    "branch attending to the prompt and itself only (off: the standard padded rows, TRL's own passes; a model "
+    "whose layers prefix sharing cannot run yet, e.g. a hybrid with recurrent or convolution layers, then runs its "
+    "own attention with a padding mask, exactly as TRL's trainers run it).")
 PACKING_HELP = ("Pack several prefix-shared rows into one line, each attending only to itself (DPO and reward: "
                 "per_device_train_batch_size then counts lines).")
 PACK_LENGTH_HELP = ("Packed line length: 'auto' (1.1 x the 95th percentile of the rows' lengths, rounded up to 128, "

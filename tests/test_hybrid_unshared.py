@@ -1,0 +1,299 @@
+"""Every model TRL's trainers train, prefixdpo trains with `--prefix_sharing false`, numerically as TRL (issue 37).
+
+The tiny hybrid families (`prefixdpo_tools.hybrid_models`: Gated DeltaNet, Kimi Delta Attention, short convolutions,
+Mamba2 beside attention, and gpt-oss's attention sinks) carry state along the sequence or attend in ways prefixdpo's
+attention does not reproduce on shared lines. With prefix sharing off they run their own attention implementation
+on TRL's right-padded rows with a 2D padding mask (`core.stock_attention`, pass backend STOCK). Shown here:
+- `prefixdpo train --prefix_sharing false` runs every family (one step); reward, grpo and rloo run some;
+- one DPOTrainer step of TRL 1.16 on Qwen3.5, LFM2, NemotronH (a Mamba2 hybrid) and gpt-oss equals ours: logged loss,
+  rewards and log-probs (`tolerances.assert_same_dpo_log` at K, as `test_trl_parity.compare`), grad norm, and every
+  gradient, read off an SGD step (`tolerances.sgd_grad_scale`); the worst of each printed as a REPORT line (-s);
+- RewardTrainer on gpt-oss (eager attention with sinks and a sliding window) equals ours step for step;
+- 4 GRPOTrainer steps on Qwen3.5 equal ours (same completions, metrics, final weights);
+- with prefix sharing on, one line naming the layer types and `--prefix_sharing false`, exit 2; packing refused.
+Each tiny model is built once per module (`_hybrid`), fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+
+from prefixdpo.cli import main
+from prefixdpo.core.model_checks import unshareable_layers
+from prefixdpo_tools.hybrid_models import HYBRID_FAMILIES, tiny_hybrid_lm
+from test_trl_parity import parity_records, shared_options, step_logs
+from tolerances import K, assert_same_dpo_log, assert_within, sgd_grad_scale
+
+pytest.importorskip("trl")
+
+
+@functools.cache
+def tokenizer():
+    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@functools.cache
+def _hybrid(family: str):
+    """The tiny model of `family` over the tiny tokenizer's vocabulary (its embeddings and head grown from the
+    builder's 96 ids, seeded), with the tokenizer's special tokens."""
+    tok = tokenizer()
+    model = tiny_hybrid_lm(family)
+    torch.manual_seed(1)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    special = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model.config.update(special)
+    model.generation_config.update(**special)
+    return model
+
+
+def hybrid(family: str):
+    """A fresh copy of `_hybrid(family)`."""
+    return copy.deepcopy(_hybrid(family))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """save(family) -> the folder of that family's model and tokenizer (saved once); folder.parent holds
+    pairs.jsonl (4 preference records) and prompts.jsonl (4 prompts)."""
+    root = tmp_path_factory.mktemp("hybrids")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in parity_records(4)))
+    prompt = {"prompt": "Question: what is the capital of France? Answer:"}
+    (root / "prompts.jsonl").write_text((json.dumps(prompt) + "\n") * 4)
+
+    @functools.cache
+    def save(family: str):
+        folder = root / family
+        _hybrid(family).save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
+        return folder
+
+    return save
+
+
+RUN = ["--max_steps", "1", "--per_device_train_batch_size", "2", "--use_cpu", "--bf16", "false",
+       "--gradient_checkpointing", "false", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+GROUP = ["--reward_funcs", "prefixdpo_tools.demo_grpo:vowel_share", "--num_generations", "2",
+         "--max_completion_length", "6"]
+
+
+def run_cli(command: str, folder, out, *extra: str) -> int:
+    data = folder.parent / ("pairs.jsonl" if command in ("train", "reward") else "prompts.jsonl")
+    return main([command, "--model", str(folder), "--dataset", str(data), "--output_dir", str(out), *RUN,
+                 *(GROUP if command in ("grpo", "rloo") else ()), *extra])
+
+
+def error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# ---- which layers prefix sharing cannot run yet ------------------------------------------------------------------
+
+UNSHAREABLE = {"qwen3_5_text": ["linear_attention"], "qwen3_next": ["linear_attention"], "lfm2": ["conv"],
+               "lfm3": ["conv"], "nemotron_h": ["linear_attention"], "granitemoehybrid": ["linear_attention"],
+               "falcon_h1": ["hybrid"], "bamba": ["linear_attention"], "kimi_linear": ["linear_attention"],
+               "gpt_oss": []}
+
+
+def test_unshareable_layers_names_every_state_carrying_layer_type():
+    from conftest import tiny_model
+
+    assert UNSHAREABLE.keys() == HYBRID_FAMILIES.keys()
+    assert {family: unshareable_layers(_hybrid(family)) for family in HYBRID_FAMILIES} == UNSHAREABLE
+    assert unshareable_layers(tiny_model("llama")) == []
+    # a config that names no layer types: the modules holding a sequence convolution give the layers away
+    lfm2 = hybrid("lfm2")
+    lfm2.config.layer_types = None
+    assert unshareable_layers(lfm2) == ["Lfm2ShortConv"]
+
+
+# ---- the command line --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(HYBRID_FAMILIES))
+def test_train_runs_every_family_with_prefix_sharing_off(family, saved, tmp_path, caplog):
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    caplog.set_level(logging.INFO, logger="prefixdpo.training.model_setup")
+    assert run_cli("train", saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
+    name = type(_hybrid(family)).__name__
+    own = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss has no SDPA (its sinks): TRL runs it eager too
+    assert f"prefix sharing off: {name} runs its own attention ({own}) on padded rows" in caplog.text
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a stock model, loadable anywhere
+    assert type(exported).__name__ == name and exported.config._attn_implementation == own
+
+
+def test_precomputed_reference_runs_unshared_rows(saved, tmp_path):
+    # the reference table's batches are laid out as the run's (one padded row per response), not shared
+    assert run_cli("train", saved("lfm2"), tmp_path / "out", "--prefix_sharing", "false",
+                   "--precompute_ref_log_probs", "true") == 0
+
+
+@pytest.mark.parametrize("command,family", [("reward", "gpt_oss"), ("reward", "qwen3_5_text"), ("grpo", "lfm2"),
+                                            ("grpo", "nemotron_h"), ("grpo", "kimi_linear"), ("rloo", "gpt_oss")])
+def test_reward_grpo_and_rloo_run_with_prefix_sharing_off(command, family, saved, tmp_path):
+    assert run_cli(command, saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
+
+
+def test_a_family_without_a_classifier_is_refused_as_a_reward_model_in_one_line(saved, tmp_path, capsys):
+    folder = saved("lfm2")
+    assert run_cli("reward", folder, tmp_path / "out", "--prefix_sharing", "false") == 2
+    assert error_line(capsys) == (
+        f"prefixdpo reward: error: {folder}: transformers has no sequence-classification model for Lfm2Config "
+        "(AutoModelForSequenceClassification, which TRL's RewardTrainer loads too); a reward model needs one")
+
+
+def test_trls_moe_loss_crash_on_granite_is_one_line_and_coef_0_runs(saved, tmp_path, capsys):
+    folder = saved("granitemoehybrid")
+    assert run_cli("grpo", folder, tmp_path / "a", "--prefix_sharing", "false") == 2
+    assert error_line(capsys) == (
+        "prefixdpo grpo: error: router_aux_loss_coef=0.001: TRL 1.16's GRPO/RLOO passes read num_experts from the "
+        "model config, which GraniteMoeHybridConfig does not have; set --router_aux_loss_coef 0")
+    assert run_cli("grpo", folder, tmp_path / "b", "--prefix_sharing", "false", "--router_aux_loss_coef", "0") == 0
+
+
+@pytest.mark.parametrize("command", ["train", "grpo"])
+def test_prefix_sharing_on_refuses_a_recurrent_model_in_one_line(command, saved, tmp_path, capsys):
+    assert run_cli(command, saved("qwen3_5_text"), tmp_path / "out") == 2
+    assert error_line(capsys) == (
+        f"prefixdpo {command}: error: Qwen3_5ForCausalLM has layers of type ['linear_attention'], which carry a "
+        "convolution or recurrent state along the sequence: prefixdpo cannot reproduce them on prefix-shared lines "
+        "yet; train it without prefix sharing (--prefix_sharing false: TRL's padded rows on the model's own "
+        "attention)")
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_prefix_sharing_on_refuses_attention_sinks_naming_the_way_out(saved, tmp_path, capsys):
+    assert run_cli("train", saved("gpt_oss"), tmp_path / "out") == 2
+    assert error_line(capsys) == ("prefixdpo train: error: GptOssForCausalLM does not support SDPA attention "
+                                  "(attention=sdpa); or train it with --prefix_sharing false")
+
+
+def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_line(saved, tmp_path, capsys):
+    """A Llama policy runs prefixdpo's attention with prefix sharing off; a Qwen3.5 reference cannot run its passes
+    (the other way round, a hybrid policy's reference runs its own attention too: it trains)."""
+    from conftest import tiny_model
+
+    llama = tmp_path / "llama"
+    tiny_model("llama", vocab_size=len(tokenizer()), pad_token_id=tokenizer().pad_token_id).save_pretrained(llama)
+    tokenizer().save_pretrained(llama)
+    (tmp_path / "pairs.jsonl").write_text((saved("qwen3_5_text").parent / "pairs.jsonl").read_text())
+    off = ("--prefix_sharing", "false")
+    assert run_cli("train", llama, tmp_path / "a", *off, "--ref_model_name_or_path", str(saved("qwen3_5_text"))) == 2
+    assert error_line(capsys) == (
+        "prefixdpo train: error: ref_model Qwen3_5ForCausalLM cannot run the policy's passes, which run prefixdpo's "
+        "attention (attention=sdpa): its layers of type ['linear_attention']; use a reference of the policy's "
+        "architecture, or none (a frozen copy of the policy)")
+    assert run_cli("train", saved("qwen3_5_text"), tmp_path / "b", *off, "--ref_model_name_or_path", str(llama)) == 0
+
+
+def test_packing_is_refused_for_a_model_on_its_own_attention(saved, tmp_path, capsys):
+    assert run_cli("train", saved("lfm2"), tmp_path / "out", "--prefix_sharing", "false", "--packing", "true") == 2
+    assert error_line(capsys) == (
+        "prefixdpo train: error: packing=true cannot run Lfm2ForCausalLM with prefix sharing off: its own attention "
+        "and layers would run one packed sequence into the next (prefixdpo's attention, which keeps them apart, "
+        "cannot run it); set --packing false")
+
+
+# ---- equal to TRL 1.16's trainers --------------------------------------------------------------------------------
+
+DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+LR = 0.5  # SGD: each weight moves by lr x its gradient, so the step's gradients are read off the weights
+
+
+def dpo_step(trainer_cls, config_cls, model, records, options: dict):
+    """One SGD step of a DPO trainer on `records` (4, one batch); (its log, start weights, trained weights)."""
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
+    args = config_cls(**options)
+    trainer = trainer_cls(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=records,
+                          processing_class=tokenizer())
+    trainer.train()
+    trained = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    return step_logs(trainer), start, trained
+
+
+# gpt-oss: eager attention with sinks, and a MoE load-balancing loss (coefficient 0.001) in the step's loss
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss"])
+def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
+
+    datasets.disable_progress_bars()
+    records = parity_records(4)
+    options = {**shared_options(tmp_path, "run", 4, 1), "max_steps": 1, "optim": "sgd", "learning_rate": LR}
+    trl_options = dict(padding_free=False, pad_to_multiple_of=None, use_weighting=False, ld_alpha=None,
+                       f_divergence_type="reverse_kl", sync_ref_model=False)
+    theirs = dpo_step(DPOTrainer, lambda **o: DPOConfig(**trl_options, **o), hybrid(family),
+                      datasets.Dataset.from_list(records), {**options, "output_dir": str(tmp_path / "trl")})
+    ours = dpo_step(PrefixDPOTrainer, lambda **o: PrefixDPOConfig(prefix_sharing=False, **o), hybrid(family),
+                    records, {**options, "output_dir": str(tmp_path / "ours")})
+    assert len(theirs[0]) == len(ours[0]) == 1
+    (t,), (o,) = theirs[0], ours[0]
+    logged = assert_same_dpo_log(t, o, 0.1, DPO_KEYS, k=K, what=family)  # TRL's DPO step tolerances, as
+    # `test_trl_parity.compare`: K eps x the loss scale / the log-probs' size
+    logged = max(logged, assert_within(o["grad_norm"], t["grad_norm"], t["grad_norm"], what=f"{family} grad_norm"))
+    start = theirs[1]
+    grads = [(start - trained) / LR for trained in (theirs[2], ours[2])]
+    assert grads[0].abs().max() > 1e-3  # the step moved the weights
+    worst = assert_within(grads[1], grads[0], sgd_grad_scale(grads[0], start, LR), what=f"{family} gradients")
+    print(f"REPORT dpo {family}: logged values {logged:.2f}, gradients {worst:.2f} eps x their scale")
+
+
+def test_reward_steps_equal_trl_reward_trainer_on_gpt_oss(saved, tmp_path):
+    """gpt-oss as a reward model: eager attention with sinks and a 16-token sliding window (records to 27 tokens)."""
+    from test_reward_trainer import assert_same_reward_log
+    from test_reward_trl_parity import options, run_trl
+
+    from prefixdpo import PrefixRewardConfig, PrefixRewardTrainer
+    from prefixdpo.reward.model import load_reward_model
+
+    model = load_reward_model(saved("gpt_oss"), seed=0)
+    records = [{**r, "margin": 0.25 * (i % 3)} for i, r in enumerate(parity_records(8))]
+    theirs = run_trl(records, tokenizer(), model, options(tmp_path, "trl"))
+    args = PrefixRewardConfig(prefix_sharing=False, **options(tmp_path, "ours"))
+    trainer = PrefixRewardTrainer(model=copy.deepcopy(model), args=args, processing_class=tokenizer(),
+                                  train_dataset=records)
+    trainer.train()
+    ours = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(theirs) == len(ours) == 2
+    for step, (t, o) in enumerate(zip(theirs, ours), 1):
+        assert_same_reward_log(o, t, model, k=K, what=f"step {step}")  # K: after Adam steps, as its TRL parity test
+        assert o["accuracy"] == t["accuracy"]
+    print("REPORT reward gpt_oss: " + ", ".join(f"step {step} loss diff {abs(t['loss'] - o['loss']):.2e}"
+                                                 for step, (t, o) in enumerate(zip(theirs, ours), 1)))
+
+
+def test_grpo_steps_equal_trl_grpo_trainer_on_qwen3_5(saved, tmp_path):
+    from test_grpo_trl_parity import OURS_ONLY, metric_within, run
+    from tolerances import weights_scale
+    from trl import GRPOConfig, GRPOTrainer
+
+    from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer
+
+    options = dict(loss_type="grpo", beta=0.04, num_iterations=1, num_generations=2, per_device_train_batch_size=4)
+    folder = str(saved("qwen3_5_text"))
+    logs_t, rollouts_t, initial, final_t = run(GRPOTrainer, GRPOConfig, folder, tmp_path / "trl", **options)
+    logs_o, rollouts_o, _, final_o = run(PrefixGRPOTrainer, PrefixGRPOConfig, folder, tmp_path / "ours",
+                                         prefix_sharing=False, **options)
+    assert rollouts_t == rollouts_o and len(logs_t) == len(logs_o) == 4
+    worst = 0.0
+    for step_t, step_o in zip(logs_t, logs_o):
+        keys = {k for k in step_t if k not in ("step_time", "epoch", "step")}
+        assert keys == {k for k in step_o if k not in ("step_time", "epoch", "step") and not k.startswith(OURS_ONLY)}
+        for key in keys:
+            worst = max(worst, metric_within(key, float(step_t[key]), float(step_o[key]), step_t))
+    flat_t, flat_o, flat_0 = (torch.cat([w[n].flatten() for n in initial]) for w in (final_t, final_o, initial))
+    assert (flat_t - flat_0).abs().max() > 0.01  # the weights moved
+    weights = assert_within(flat_o, flat_t, weights_scale(flat_0, flat_t), what="final weights")
+    print(f"REPORT grpo qwen3_5_text: metrics {worst:.2f}, final weights {weights:.2f} eps x their scale")
