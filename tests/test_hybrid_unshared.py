@@ -97,7 +97,8 @@ def error_line(capsys) -> str:
 
 # ---- which layers prefix sharing cannot run yet ------------------------------------------------------------------
 
-UNSHAREABLE = {"qwen3_5_text": ["linear_attention"], "qwen3_next": ["linear_attention"], "lfm2": ["conv"],
+UNSHAREABLE = {"qwen3_5_text": ["linear_attention"], "qwen3_5_moe_text": ["linear_attention"],
+               "qwen3_next": ["linear_attention"], "lfm2": ["conv"], "lfm2_moe": ["conv"],
                "lfm3": ["conv"], "nemotron_h": ["linear_attention"], "granitemoehybrid": ["linear_attention"],
                "falcon_h1": ["hybrid"], "bamba": ["linear_attention"], "kimi_linear": ["linear_attention"],
                "gpt_oss": []}

@@ -49,7 +49,6 @@ HYBRID_FAMILIES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1, 3], **_MAMBA2),
     "kimi_linear": dict(linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
                                             "head_dim": 16, "short_conv_kernel_size": 4},
-                        num_key_value_heads=4,  # MLA expands its latent to every head: kv heads = heads
                         num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
                         first_k_dense_replace=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=16, mla_use_nope=True,
