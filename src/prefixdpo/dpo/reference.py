@@ -32,7 +32,8 @@ from typing import Sequence
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.engines_deepspeed import reference_copy
 from prefixdpo.core.forward import compute_response_logps
@@ -169,7 +170,7 @@ class ModelPassReference(Reference):
     def _mask(self, batch: Batch):
         """A table batch's mask (one per batch, no grad)."""
         backend = resolve_backend(self.backend, batch.input_ids.device, needs_grad=False)
-        return batch_attention_mask(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
+        return plan_pass(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""

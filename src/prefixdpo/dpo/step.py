@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
@@ -104,7 +104,7 @@ class StepInputs:
         if self.batch is not None:
             return self
         batch = (stand_in_batch(pad_token_id, pad_multiple) if self.idle else self.micro.batch).to(device)
-        mask = batch_attention_mask(batch, backend, max_tokens_per_pass=tokens_per_pass)
+        mask = plan_pass(batch, backend, max_tokens_per_pass=tokens_per_pass)
         return replace(self, batch=batch, mask=mask)
 
 
