@@ -16,6 +16,7 @@ from prefixdpo.core.attention.backends import ATTENTION, BACKENDS
 from prefixdpo.core.attention.pass_plan import PassPlan, plan_pass
 from prefixdpo.core.attention.prefix_kv import PrefixKV
 from prefixdpo.data.batch import build_batch
+from test_verify_backends import saved_model  # noqa: F401 (a fixture: a saved tiny Qwen2 and its tokenizer)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Names that hold tensors in this code base (the attention's query/key/value, masks, hidden states): an attribute
@@ -134,33 +135,21 @@ def test_deriving_a_plan_makes_a_new_one():
                                                                                       batch.spans.shape[1])
 
 
-@pytest.fixture(scope="module")
-def saved_llama(tmp_path_factory):
-    from prefixdpo.commands.verify import DEFAULT_PROMPTS, DEFAULT_RESPONSES
-    from prefixdpo.data.tiny_tokenizer import build_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("llama")
-    tokenizer = build_tiny_tokenizer(DEFAULT_PROMPTS + DEFAULT_RESPONSES)
-    tokenizer.save_pretrained(path)
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    return str(path)
-
-
-def test_a_model_that_drops_the_plan_is_refused_in_one_line(saved_llama, monkeypatch, capsys):
+def test_a_model_that_drops_the_plan_is_refused_in_one_line(saved_model, monkeypatch, capsys):
     """A model whose layers do not hand the `pass_plan` keyword down to their attention (measured on transformers
     5.25: stablelm and falcon, both refused before for other reasons) is never run with the stand-in mask: one line
-    naming the model and the way out. The fault: Llama's attention made to drop the keyword."""
-    from transformers.models.llama import modeling_llama
+    naming the model and the way out. The fault: Qwen2's attention made to drop the keyword."""
+    from transformers.models.qwen2 import modeling_qwen2
 
     from prefixdpo.cli import main
 
-    original = modeling_llama.LlamaAttention.forward
+    original = modeling_qwen2.Qwen2Attention.forward
 
     def dropping(self, *args, pass_plan=None, **kwargs):
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", dropping)
-    assert main(["verify", "--model", saved_llama, "--attention", "sdpa"]) == 2
+    monkeypatch.setattr(modeling_qwen2.Qwen2Attention, "forward", dropping)
+    assert main(["verify", "--model", saved_model, "--attention", "sdpa"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not progress bars
-    assert err == ["prefixdpo verify: error: the model (llama) does not hand prefixdpo's pass plan (the `pass_plan` "
+    assert err == ["prefixdpo verify: error: the model (qwen2) does not hand prefixdpo's pass plan (the `pass_plan` "
                    "keyword) to its attention, so prefix-shared lines cannot run on it: use --prefix_sharing false"]

@@ -6,7 +6,8 @@ know down to the attention function, in forward and in gradient checkpointing's 
 
 - `spans` [B, L, 2] long: (tin, tout) of each column of this pass's tokens ((-1, -1) for padding; `data.lines`);
   independent of `position_ids`. A pass whose first `queries_from` key columns are a cached prefix's (a chunk of
-  prefix reuse) holds its queries' spans, numbered as the keys' line is;
+  prefix reuse) holds its queries' spans, numbered as the keys' line is; under sequence parallelism, the whole
+  lines' (each rank runs its own columns of them, `SequenceParallel.shard`);
 - `backend` and `mask`: the entry of the attention dispatch table (`backends.ATTENTION`) and what it reads: the
   dense bool [B, 1, L, Lk] mask (sdpa), the BlockMask (flex), a `SegmentPlan` (segmented), a `VarlenPlan` (varlen);
 - `reuse`: prefix reuse's plan of a batch with a line over the pass budget (`reuse_plan.PrefixReuse`; its passes
