@@ -115,7 +115,10 @@ def test_every_backend_is_one_entry_of_the_dispatch_table(backend):
     plan = plan_pass(batch, backend)
     assert isinstance(plan, PassPlan) and plan.backend in ATTENTION and backend in BACKENDS
     assert plan.spans.shape == batch.spans.shape and plan.spans.dtype == torch.long  # the contract recurrent layers read
-    assert plan.model_mask().shape == (batch.input_ids.shape[0], 1, 0, 0)
+    if backend in ("sdpa", "flex"):  # the model gets the mask a stock attention runs
+        assert plan.model_mask() is plan.mask
+    else:  # a plan is no mask: a zero-size stand-in, which transformers passes through untouched
+        assert plan.model_mask().shape == (batch.input_ids.shape[0], 1, 0, 0)
 
 
 def test_deriving_a_plan_makes_a_new_one():
@@ -137,8 +140,9 @@ def test_deriving_a_plan_makes_a_new_one():
 
 def test_a_model_that_drops_the_plan_is_refused_in_one_line(saved_model, monkeypatch, capsys):
     """A model whose layers do not hand the `pass_plan` keyword down to their attention (measured on transformers
-    5.25: stablelm and falcon, both refused before for other reasons) is never run with the stand-in mask: one line
-    naming the model and the way out. The fault: Qwen2's attention made to drop the keyword."""
+    5.25: stablelm and falcon, both refused before for other reasons) is never run where the pass needs its plan (here
+    segmented attention, whose mask is a plan): one line naming the model and the way out. The fault: Qwen2's
+    attention made to drop the keyword."""
     from transformers.models.qwen2 import modeling_qwen2
 
     from prefixdpo.cli import main
@@ -149,7 +153,7 @@ def test_a_model_that_drops_the_plan_is_refused_in_one_line(saved_model, monkeyp
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(modeling_qwen2.Qwen2Attention, "forward", dropping)
-    assert main(["verify", "--model", saved_model, "--attention", "sdpa"]) == 2
+    assert main(["verify", "--model", saved_model, "--attention", "segmented"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not progress bars
     assert err == ["prefixdpo verify: error: the model (qwen2) does not hand prefixdpo's pass plan (the `pass_plan` "
                    "keyword) to its attention, so prefix-shared lines cannot run on it: use --prefix_sharing false"]

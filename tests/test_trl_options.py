@@ -168,7 +168,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     # the router logits we record are the model's own for the same row, and counting the row's tokens
     # once (the model's own aux loss on it) is not TRL's value: the multiplicity is what makes them equal
     batch = build_batch(examples)
-    attention = plan_pass(batch, "sdpa")
+    attention = plan_pass(batch, "sdpa").mask
     with torch.no_grad(), recording_router_logits(model) as recorded:
         out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=attention,
                                   position_ids=batch.position_ids, output_router_logits=True, use_cache=False)

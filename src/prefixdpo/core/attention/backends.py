@@ -25,6 +25,21 @@ ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
 
 
+def _is_block_mask(mask) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(mask, BlockMask)
+
+
+def _needs_plan(mask, query, key) -> bool:
+    """Whether `mask` (what the attention got without a plan) covers other columns than query [B,H,Lq,D] and key
+    [B,Hkv,Lk,D]: it then belongs to a pass only its plan runs (module docstring of `pass_plan`)."""
+    if mask is None:
+        return False
+    lengths = tuple(mask.seq_lengths) if _is_block_mask(mask) else tuple(mask.shape[-2:])
+    return lengths != (query.shape[2], key.shape[2]) and not (lengths[0] == 1 and lengths[1] == key.shape[2])
+
+
 def _model_name(module) -> str:
     """The model an attention module belongs to, for a message: its config's model_type, else its class."""
     config = getattr(module, "config", None)
@@ -35,16 +50,19 @@ def prefix_attention_forward(module, query, key, value, attention_mask, pass_pla
                              **kwargs):
     """query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None), as `pass_plan` says.
 
-    Without a plan: a pass that is not prefixdpo's (`generate`, its prefill), plain SDPA over transformers' mask
-    (None: causal). A zero-size 4D mask without a plan is a prefixdpo pass whose model dropped the keyword on the way
-    (measured: stablelm): refused in one line, never run with the wrong mask. With the plan's `sequence_parallel`
-    (`core.sequence_parallel`): query/key/value hold this rank's l = L / N columns; the attention runs on head shards
-    of the whole line between two all-to-alls."""
+    Without a plan: the mask alone, as a stock attention runs it: `generate` and its prefill (transformers' mask;
+    None: causal), or a plain line pass whose model dropped the keyword on the way (its dense mask or BlockMask is the
+    rule, whole). A mask that does not fit the query and key columns (a zero-size stand-in, a chunk's mask over a
+    cached prefix, a sequence-parallel rank's) is a prefixdpo pass that needs its plan: refused in one line, never
+    run. With the plan's `sequence_parallel` (`core.sequence_parallel`): query/key/value hold this rank's l = L / N
+    columns; the attention runs on head shards of the whole line between two all-to-alls."""
     if pass_plan is None:
-        if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.numel() == 0:
+        if _needs_plan(attention_mask, query, key):
             raise ConfigError(f"the model ({_model_name(module)}) does not hand prefixdpo's pass plan (the "
                               "`pass_plan` keyword) to its attention, so prefix-shared lines cannot run on it: "
                               "use --prefix_sharing false")
+        if _is_block_mask(attention_mask):
+            return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     if pass_plan.sequence_parallel is not None:
         return pass_plan.sequence_parallel.attend(_line_attention, module, query, key, value, pass_plan, **kwargs)

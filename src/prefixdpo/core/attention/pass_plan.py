@@ -17,9 +17,11 @@ know down to the attention function, in forward and in gradient checkpointing's 
 - `shared_prompt`: the cache of a decoding step over prompts held once (`shared_prompt`, GRPO's generation).
 
 Deriving a plan (for a shard, for a chunk's cached prefix) returns a new one (`dataclasses.replace`); nothing is
-written onto a plan, a mask or a tensor. The model itself gets a zero-size 4D `attention_mask` (`model_mask`): any 4D
-tensor passes through transformers' mask code untouched, and the attention function knows a prefixdpo pass by it
-(a model that drops the `pass_plan` keyword is then refused in one line, `backends.prefix_attention_forward`).
+written onto a plan, a mask or a tensor. The model itself still gets a real `attention_mask` (`model_mask`), which
+transformers' mask code passes through untouched: the dense mask (sdpa) or the BlockMask (flex), as a stock model's
+own sdpa or flex attention would run it, and for the backends whose mask is a plan (segmented, varlen) a zero-size
+bool [B, 1, 0, 0]. A pass that reaches the attention without its plan (a model that drops the keyword) is refused in
+one line where it would need the plan (`backends.prefix_attention_forward`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from prefixdpo.core.attention.segments import build_segment_plan
 
 # What a plan's `backend` names beyond the line backends: a decoding step over prompts held once.
 SHARED_PROMPT = "shared_prompt"
+# The backends whose `mask` is one a stock attention runs (a dense bool mask, a BlockMask): the model gets it too.
+MASK_BACKENDS = ("sdpa", "flex")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,8 +59,11 @@ class PassPlan:
     def batch_size(self) -> int:
         return int(self.spans.shape[0])
 
-    def model_mask(self) -> torch.Tensor:
-        """The `attention_mask` the model gets: a zero-size bool [B, 1, 0, 0] (module docstring)."""
+    def model_mask(self):
+        """The `attention_mask` the model gets (module docstring): the dense bool [B, 1, L, Lk] mask or the BlockMask
+        where the backend's mask is one, else a zero-size bool [B, 1, 0, 0]."""
+        if self.backend in MASK_BACKENDS:
+            return self.mask
         return torch.zeros(self.batch_size, 1, 0, 0, dtype=torch.bool, device=self.spans.device)
 
     def for_shard(self, sp) -> "PassPlan":
