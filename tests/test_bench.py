@@ -14,7 +14,7 @@ from conftest import tiny_model
 from prefixdpo_tools.bench.modes import MODES, bucket_length, common_pack_length, layout_group
 from prefixdpo_tools.bench.step import DPOStep
 from prefixdpo_tools.bench.workloads import fixed_groups, synthetic_workload
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.dpo.losses import sigmoid_loss
@@ -140,7 +140,7 @@ def test_every_mode_matches_stock_separate_passes(workload, arch, dtype, backend
             if line_per_step and mode.endswith("packed"):
                 assert batch.input_ids.shape[0] == 1
             assert torch.equal(batch.pair_better, better) and torch.equal(batch.pair_worse, worse)
-            mask = batch_attention_mask(batch, backend)
+            mask = plan_pass(batch, backend)
             with torch.no_grad():
                 ref = compute_response_logps(reference, batch, mask).sums
             pol = compute_response_logps(policy, batch, mask).sums  # with grad, as in training
@@ -310,7 +310,7 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
                 assert batch.input_ids.shape[0] == len(examples)
             prepare_model(policy, "sdpa")
             prepare_model(reference, "sdpa")
-            mask = batch_attention_mask(batch, "sdpa")
+            mask = plan_pass(batch, "sdpa")
             with torch.no_grad():
                 pol = compute_response_logps(policy, batch, mask).sums
                 ref = compute_response_logps(reference, batch, mask).sums

@@ -22,7 +22,7 @@ from prefixdpo_tools.bench.flops import (
 from prefixdpo_tools.bench.modes import GROUPED_MODE, TRIE_MODE, common_pack_length, layout_group
 from prefixdpo_tools.bench.runner import workload_modes
 from prefixdpo_tools.bench.workloads import shared_prefix_workload
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import separate_pass_logps
@@ -114,7 +114,7 @@ def test_grouped_and_trie_modes_match_stock_separate_passes(profile, mode, backe
         prepare_model(reference, backend)
         batch = layout_group(step, mode, pack_length=L)
         assert batch.num_real_tokens < sum(ex.shared_length for ex in step)
-        mask = batch_attention_mask(batch, backend)
+        mask = plan_pass(batch, backend)
         with torch.no_grad():
             ref = compute_response_logps(reference, batch, mask).sums
         pol = compute_response_logps(policy, batch, mask).sums

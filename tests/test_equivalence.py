@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 
 from prefixdpo.core.model_checks import prepare_model
@@ -62,7 +62,7 @@ def test_sliding_window_shorter_than_sequence_is_refused():
     model = tiny_model("mistral", sliding_window=6)
     prepare_model(model, "sdpa")
     batch = build_batch(random_examples())
-    mask = batch_attention_mask(batch, "sdpa")
+    mask = plan_pass(batch, "sdpa")
     with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
         compute_response_logps(model, batch, mask)
 

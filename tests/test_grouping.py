@@ -20,7 +20,7 @@ import torch
 
 from conftest import tiny_model
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig, PrefixRewardTrainer
-from prefixdpo.core.attention.masks import dense_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.grouping import PAIR_RECORDS, group_by_prompt
@@ -120,7 +120,7 @@ def test_grouped_pair_losses_equal_the_ungrouped_ones(packed):
     def per_pair(exs):
         packs = [list(range(len(exs)))] if packed else None
         batch = build_batch(exs, prefix_sharing=True, packs=packs)
-        step = pair_losses(policy, batch, dense_mask(batch.spans), reference=reference,
+        step = pair_losses(policy, batch, plan_pass(batch, "sdpa"), reference=reference,
                            objective=objective)
         return {name: _losses_by_record_pair(exs, values.detach()) for name, values in
                 (("loss", step.losses), ("chosen", step.pairs.policy_chosen_logps),

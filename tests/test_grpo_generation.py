@@ -262,7 +262,7 @@ def test_prompts_held_once_only_where_their_copies_are_large_enough():
 
 
 def test_a_model_whose_attention_drops_the_shared_prompt_stops(monkeypatch):
-    """The carrier lost between the cache update and prefixdpo's attention would attend to the rows' own columns
+    """Keys changed between the cache update and prefixdpo's attention would attend to the rows' own columns
     only: the layer notices at the next step (or after generate) and stops in one line. Prompts without padding:
     transformers then passes no mask, which with padding would not match the keys' length and fail at once."""
     from prefixdpo.core.attention import backends
@@ -274,8 +274,8 @@ def test_a_model_whose_attention_drops_the_shared_prompt_stops(monkeypatch):
     ids, mask = prompt_batch(lengths=(6, 6))
     original = backends._line_attention
 
-    def losing(module, query, key, value, attention_mask, **kwargs):
-        return original(module, query, key.clone(), value, attention_mask, **kwargs)
+    def losing(module, query, key, value, plan, **kwargs):
+        return original(module, query, key.clone(), value, plan, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backends, "_line_attention", losing)

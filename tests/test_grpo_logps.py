@@ -251,7 +251,7 @@ def test_segmented_attention_on_group_lines_equals_the_dense_mask(dtype):
     exercised); and in float64. ~1 s."""
     from prefixdpo.core.attention.masks import dense_mask
     from prefixdpo.core.attention.segments import segmented_attention
-    from prefixdpo.grpo.logps import _chunk_mask
+    from prefixdpo.grpo.logps import _chunk_plan
 
     gen = torch.Generator().manual_seed(0)
     prompt_lengths = (5, 19, 11)  # three prompts, G = 6 completions of spread lengths each
@@ -263,7 +263,7 @@ def test_segmented_attention_on_group_lines_equals_the_dense_mask(dtype):
         ids[r, :19] = prompt_tokens[group]
         mask[r, 19 - prompt_lengths[group]:19 + n] = 1
     lines = layout_groups(ids, mask, 40, packing=True, pack_length=10**6)
-    plan = _chunk_mask(lines, 0, lines.num_lines, "segmented").prefix_plan  # the plan a GRPO pass runs
+    plan = _chunk_plan(lines, 0, lines.num_lines, "segmented").mask  # the plan a GRPO pass runs
     padded = [g for g in plan.groups if not g.causal and min(g.key_counts) < g.num_keys]
     assert len(padded) >= 2 and any(g.causal and g.num_segments > 1 for g in plan.groups)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.loader import stand_in_batch
@@ -60,7 +60,7 @@ def test_an_idle_micro_batch_calls_what_a_real_one_calls(case):
     models = {"policy": policy, **({"reference": reference.model} if reference.model is not None else {})}
     real = build_batch(make_examples(3, seed=3, ks=(2, 3)))
     idle = stand_in_batch(pad_token_id=0)
-    real_mask, idle_mask = batch_attention_mask(real, "sdpa"), batch_attention_mask(idle, "sdpa")
+    real_mask, idle_mask = plan_pass(real, "sdpa"), plan_pass(idle, "sdpa")
     in_hand = case == "sums-in-hand"
     real_sums = torch.zeros(real.num_responses) if in_hand else None
     idle_sums = torch.zeros(idle.num_responses) if in_hand else None
@@ -89,7 +89,7 @@ def test_an_idle_micro_batch_calls_what_a_real_one_calls(case):
 def test_the_idle_reference_answers_zeros_after_the_real_pass():
     policy, reference = _models(peft=False)
     idle = stand_in_batch(pad_token_id=0)
-    mask = batch_attention_mask(idle, "sdpa")
+    mask = plan_pass(idle, "sdpa")
     calls = _calls({"reference": reference.model},
                    lambda: pytest.approx(0) == IdleReference(reference).sums(policy, idle, mask))
     assert calls and calls[0] == ("reference", "")  # the reference model itself was called

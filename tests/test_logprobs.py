@@ -74,19 +74,19 @@ def test_inside_the_engine_forward_equals_the_head_applied_after_the_model():
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model, unwrap
     from prefixdpo.core.logprobs import lm_head_fn, response_logps
-    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
 
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
     batch = build_batch(make_examples(3, ks=(2, 3)), prefix_sharing=True, pad_token_id=0)
-    mask = batch_attention_mask(batch, "sdpa")
-    ours = compute_response_logps(model, batch, mask, chunk_size=5)
+    plan = plan_pass(batch, "sdpa")
+    ours = compute_response_logps(model, batch, plan, chunk_size=5)
     (g_ours,) = torch.autograd.grad(ours.sums.sum(), model.lm_head.weight)
     assert "forward" not in model.__dict__  # the engine-level redirection left no trace
 
     captured = []
     handle = model.model.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
-    model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, attention_mask=mask)
+    model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, attention_mask=plan.mask)
     handle.remove()
     before = response_logps(captured[0], batch, lm_head_fn(unwrap(model)), 5)
     (g_before,) = torch.autograd.grad(before.sums.sum(), model.lm_head.weight)

@@ -6,6 +6,7 @@ import torch
 from prefixdpo.core.attention.masks import block_mask, dense_mask, mask_mod
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
+from prefixdpo.core.attention.pass_plan import plan_pass
 from conftest import random_examples, tiny_model
 from tolerances import K_FORWARD, assert_within
 
@@ -54,7 +55,7 @@ def test_padding_rows_give_finite_gradients():
     model = tiny_model("llama")
     prepare_model(model, "sdpa")
     batch = packed_batch()
-    out = compute_response_logps(model, batch, dense_mask(batch.spans))
+    out = compute_response_logps(model, batch, plan_pass(batch, "sdpa"))
     out.sums.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
@@ -79,9 +80,9 @@ def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
     batch = packed_batch()
     prepare_model(model, "sdpa")
     with torch.no_grad():
-        sdpa = compute_response_logps(model, batch, dense_mask(batch.spans)).sums
+        sdpa = compute_response_logps(model, batch, plan_pass(batch, "sdpa")).sums
         try:
-            flex = compute_response_logps(model, batch, block_mask(batch.spans)).sums
+            flex = compute_response_logps(model, batch, plan_pass(batch, "flex")).sums
         except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
             if "not supported for CPU" not in str(err):
                 raise

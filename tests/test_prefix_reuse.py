@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass, reuse_pass_plan
 from prefixdpo.core.attention.reuse_plan import PrefixReuse, plan_line, plan_reuse
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
@@ -46,9 +46,9 @@ def _examples(seed: int = 1) -> list[Example]:
             Example(ids(17), [ids(5), ids(9), ids(2)], pairs=((1, 0), (2, 1)))]
 
 
-def _sums_and_grads(model, batch, mask):
+def _sums_and_grads(model, batch, plan):
     model.zero_grad()
-    out = compute_response_logps(model, batch, mask)
+    out = compute_response_logps(model, batch, plan)
     weights = torch.linspace(1.0, 2.0, out.sums.numel(), dtype=out.sums.dtype)
     (out.sums * weights).sum().backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -66,8 +66,8 @@ def test_plan_cuts_after_the_prefix_into_chunks_of_whole_responses():
     packed = build_batch(_examples(), packs=[[0, 1]])
     with pytest.raises(ConfigError, match="share no prefix"):
         plan_line(packed.spans[0], 0, 40)
-    assert isinstance(batch_attention_mask(batch, "sdpa", max_tokens_per_pass=13), PrefixReuse)
-    assert isinstance(batch_attention_mask(batch, "sdpa", max_tokens_per_pass=60), torch.Tensor)
+    assert isinstance(plan_pass(batch, "sdpa", max_tokens_per_pass=13).reuse, PrefixReuse)
+    assert plan_pass(batch, "sdpa", max_tokens_per_pass=60).reuse is None
 
 
 # budgets of 1, 13, 15, 24 and 35 tokens cut the first line (59 tokens) into 5 to 1 chunks; the second (33) is
@@ -80,11 +80,11 @@ CASES = [("llama", "sdpa", ALL_BUDGETS), ("llama", "segmented", {1: 5, 24: 2}),
 @pytest.fixture
 def reused_passes(monkeypatch):
     """How many passes ran their lines by prefix reuse (a list that grows by one per such pass)."""
-    import prefixdpo.core.forward as forward
+    import prefixdpo.core.one_pass as one_pass
 
     calls = []
-    original = forward.reused_hidden_states
-    monkeypatch.setattr(forward, "reused_hidden_states", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = one_pass.reused_hidden_states
+    monkeypatch.setattr(one_pass, "reused_hidden_states", lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
@@ -98,7 +98,7 @@ def test_reused_prefix_gives_the_one_row_sums_and_gradients(arch, backend, budge
         model = model.to(dtype)
         prepare_model(model, backend)
         batch = build_batch(_examples(), pad_multiple=8)
-        sums, grads = _sums_and_grads(model, batch, batch_attention_mask(batch, backend))
+        sums, grads = _sums_and_grads(model, batch, plan_pass(batch, backend))
         scale, grad_scale = sums.abs().max().item(), grads.abs().max().item()
         assert grad_scale > 1e-2
         norm_in_fp32 = arch == "gemma"  # module docstring
@@ -106,7 +106,7 @@ def test_reused_prefix_gives_the_one_row_sums_and_gradients(arch, backend, budge
         for budget, chunks in budgets.items():
             reuse = plan_reuse(batch.spans, budget, backend)
             assert len(reuse.plans[0].chunks) == chunks and (reuse.plans[1] is None) == (budget >= 33)
-            r_sums, r_grads = _sums_and_grads(model, batch, reuse)
+            r_sums, r_grads = _sums_and_grads(model, batch, reuse_pass_plan(batch.spans, reuse))
             assert (r_sums - sums).abs().max().item() <= bound * scale, (dtype, budget)
             assert (r_grads - grads).abs().max().item() <= bound * grad_scale, (dtype, budget)
 
@@ -125,8 +125,8 @@ def test_a_no_grad_pass_runs_each_chunk_once(backend, monkeypatch):
     original = reuse_module.checkpoint
     monkeypatch.setattr(reuse_module, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
     with torch.no_grad():
-        one = compute_response_logps(model, batch, batch_attention_mask(batch, backend)).sums
-        reused = compute_response_logps(model, batch, plan_reuse(batch.spans, 8, backend)).sums
+        one = compute_response_logps(model, batch, plan_pass(batch, backend)).sums
+        reused = compute_response_logps(model, batch, plan_pass(batch, backend, max_tokens_per_pass=8)).sums
     assert not calls
     assert (reused - one).abs().max().item() <= 1e-5 * one.abs().max().item()
 
@@ -136,7 +136,7 @@ def test_moe_load_balancing_loss_is_refused_with_prefix_reuse():
     prepare_model(model, "sdpa")
     batch = build_batch(_examples())
     with pytest.raises(ConfigError, match="prefix_reuse does not compute the MoE load-balancing loss"):
-        compute_response_logps(model, batch, plan_reuse(batch.spans, 8, "sdpa"), router_aux=True)
+        compute_response_logps(model, batch, plan_pass(batch, "sdpa", max_tokens_per_pass=8), router_aux=True)
 
 
 def test_prefix_reuse_options_are_checked_in_one_line(tmp_path):

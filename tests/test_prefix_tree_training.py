@@ -26,7 +26,7 @@ import torch
 
 from conftest import tiny_model
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer, PrefixRewardConfig
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
@@ -134,7 +134,7 @@ def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend, dtype):
         item = micro[m]
         assert item.batch.input_ids.shape[1] == 64
         trie_tokens += item.shared_tokens
-        step = pair_losses(policy, item.batch, batch_attention_mask(item.batch, backend), reference=reference,
+        step = pair_losses(policy, item.batch, plan_pass(item.batch, backend), reference=reference,
                            objective=objective)
         for e, loss, c, r in zip(item.example_ids.tolist(), step.losses.tolist(),
                                  step.pairs.policy_chosen_logps.tolist(), step.pairs.policy_rejected_logps.tolist()):
@@ -144,7 +144,7 @@ def test_tree_lines_of_the_loader_give_every_pair_its_own_loss(backend, dtype):
     alone = {}
     for e, ex in enumerate(examples):
         batch = build_batch([ex])
-        step = pair_losses(policy, batch, batch_attention_mask(batch, backend), reference=reference,
+        step = pair_losses(policy, batch, plan_pass(batch, backend), reference=reference,
                            objective=objective)
         alone[e] = (step.losses.item(), step.pairs.policy_chosen_logps.item(), step.pairs.policy_rejected_logps.item())
     scale = max(1.0, *(abs(v) for values in alone.values() for v in values[1:]))
@@ -274,14 +274,14 @@ def test_router_aux_loss_on_tree_lines_equals_trl_on_its_padded_rows(arch):
         for lines in (None, [list(range(0, 6)), list(range(6, 10)), list(range(10, n))]):
             batch = build_tree_batch(examples, lines, pad_multiple=8)
             with torch.no_grad():
-                ours = compute_response_logps(model, batch, batch_attention_mask(batch, backend), router_aux=True)
+                ours = compute_response_logps(model, batch, plan_pass(batch, backend), router_aux=True)
             # the aux loss is E x sum over experts of (routed fraction x mean probability), inputs O(1 / E): its
             # own magnitude is its inputs' scale
             assert_within(ours.aux_loss, trl_aux, trl_aux.abs().item(), k=K_FORWARD, what=f"aux {backend} {lines}")
     prepare_model(model, "sdpa")
     batch = build_tree_batch(examples)
     with torch.no_grad(), recording_router_logits(model) as recorded:
-        compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa"))
+        compute_response_logps(model, batch, plan_pass(batch, "sdpa"))
     once = load_balancing_loss_func(tuple(recorded), 4, 2, (batch.spans[..., 0] >= 0).float())
     assert (once - trl_aux).abs() > 1e-4 * trl_aux.abs(), (once.item(), trl_aux.item())
 

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 import prefixdpo.dpo.reference_cache as reference_cache
 from prefixdpo.dpo.reference import reference_response_logps
-from prefixdpo.core.attention.masks import dense_mask
 from conftest import make_examples, tiny_model
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
+from prefixdpo.core.attention.pass_plan import plan_pass
 from tolerances import assert_same_dpo_log, assert_same_weights
 
 SETTINGS = {"dtype": "torch.float32"}
@@ -28,7 +28,7 @@ SETTINGS = {"dtype": "torch.float32"}
 def load_or_compute(model, examples, cache):
     """`load_or_compute_table` with `model` as a separate reference (its no-grad pass computes the sums)."""
     def sums_of(batch):
-        return reference_response_logps(model, batch, dense_mask(batch.spans)).sums
+        return reference_response_logps(model, batch, plan_pass(batch, "sdpa")).sums
 
     return reference_cache.load_or_compute_table(model, examples, cache, settings=SETTINGS, sums_of=sums_of)
 

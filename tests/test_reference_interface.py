@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conftest import make_examples, tiny_model
-from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.data.batch import build_batch
@@ -26,6 +25,7 @@ from prefixdpo.dpo.step import Objective, pair_logps, pair_losses
 from prefixdpo.dpo.tr_dpo import tr_dpo_callback
 from prefixdpo.dpo.trainer import PrefixDPOTrainer
 from prefixdpo.errors import ConfigError
+from prefixdpo.core.attention.pass_plan import plan_pass
 from tolerances import K_FORWARD, assert_within
 
 
@@ -49,7 +49,7 @@ def test_the_step_runs_a_user_defined_reference():
     """pair_losses / pair_logps with a constant reference: DPO's loss and LD-DPO's split of its sums."""
     model, examples, c, beta = tiny_model("llama"), make_examples(6, ks=(2, 3)), -0.7, 0.5
     batch = build_batch(examples, prefix_sharing=True)
-    mask = dense_mask(batch.spans)
+    mask = plan_pass(batch, "sdpa")
     policy = compute_response_logps(model, batch, mask)
     b, w, n = batch.pair_better, batch.pair_worse, batch.response_lengths.float()
     step = pair_losses(model, batch, mask, reference=ConstantReference(c),
@@ -112,7 +112,7 @@ def test_precomputed_sums_refuse_ld_alpha_in_one_line(tmp_path):
     """LD-DPO needs per-token log-probs, which precomputed tables do not hold (as before: a LossConfigError)."""
     model, examples = tiny_model("llama"), make_examples(4)
     batch = build_batch(examples, prefix_sharing=True)
-    mask = dense_mask(batch.spans)
+    mask = plan_pass(batch, "sdpa")
     pre = PrecomputedReference(SeparateModelReference(tiny_model("llama")), cache_dir=str(tmp_path), batch_size=2,
                                pad_token_id=0, device="cpu")
     ids = torch.arange(len(examples))

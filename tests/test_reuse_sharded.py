@@ -161,7 +161,7 @@ GATHER_SCRIPT = textwrap.dedent(
     from conftest import finish_ranks, tiny_model
     from torch.distributed.fsdp import fully_shard
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
-    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.data.batch import build_batch
     from prefixdpo.data.example import Example
@@ -192,7 +192,7 @@ GATHER_SCRIPT = textwrap.dedent(
         for budget in (8, 100):  # 100: the line fits one pass
             for key in counts:
                 counts[key] = 0
-            logps = compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa", max_tokens_per_pass=budget))
+            logps = compute_response_logps(model, batch, plan_pass(batch, "sdpa", max_tokens_per_pass=budget))
             forward = counts["all_gather"]
             logps.sums.sum().backward()
             results[f"{{reshard}}/{{budget}}"] = [forward, counts["all_gather"] - forward, counts["reduce_scatter"]]
@@ -340,9 +340,10 @@ def test_stand_in_passes_change_no_sum_and_no_gradient(monkeypatch, backend):
     needed; with all lines reused (budget 15), it runs."""
     from dataclasses import replace
 
-    import prefixdpo.core.forward as forward
+    import prefixdpo.core.model_call as model_call
     import prefixdpo.core.prefix_reuse as prefix_reuse
     from conftest import tiny_model
+    from prefixdpo.core.attention.pass_plan import reuse_pass_plan
     from prefixdpo.core.attention.reuse_plan import plan_reuse
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.data.batch import build_batch
@@ -352,21 +353,21 @@ def test_stand_in_passes_change_no_sum_and_no_gradient(monkeypatch, backend):
     model = tiny_model("llama")
     prepare_model(model, backend)
     batch = build_batch(_examples(), pad_multiple=8)
-    calls = []  # the tokens of each model call (`forward.decoder_output`, which every pass of prefix reuse runs)
-    original = forward.decoder_output
-    monkeypatch.setattr(forward, "decoder_output", lambda *a, **k: calls.append(k["input_ids"].shape[1])
+    calls = []  # the tokens of each model call (`model_call.model_pass`, which every pass of prefix reuse runs)
+    original = model_call.model_pass
+    monkeypatch.setattr(model_call, "model_pass", lambda *a, **k: calls.append(a[2].shape[1])
                         or original(*a, **k))
     for budget in (15, 35):
         own = plan_reuse(batch.spans, budget, backend)
         calls.clear()
-        sums, grads = _sums_and_grads(model, batch, own)
+        sums, grads = _sums_and_grads(model, batch, reuse_pass_plan(batch.spans, own))
         own_calls = list(calls)
         answers = iter([[1, 3], [len(p.chunks) + 1 for p in own.plans if p is not None] + [2]])
         if budget == 35:  # one reused line: the agreed second line and the third are stand-ins
             answers = iter([[1, 3], [len(own.plans[0].chunks) + 1, 1, 2]])
         monkeypatch.setattr(prefix_reuse, "max_over_ranks", lambda values, device: next(answers))
         calls.clear()
-        a_sums, a_grads = _sums_and_grads(model, batch, replace(own, aligned=True))
+        a_sums, a_grads = _sums_and_grads(model, batch, reuse_pass_plan(batch.spans, replace(own, aligned=True)))
         stand_ins = [n for n in calls if n == 1]
         assert len(calls) > len(own_calls) and len(stand_ins) >= 3, (own_calls, calls)
         assert_within(a_sums, sums, sums.abs().max().item(), k=K_FORWARD, what=f"budget {budget} sums")

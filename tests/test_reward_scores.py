@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from conftest import TINY, random_examples
-from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
 from prefixdpo.data.tree import build_tree_batch
@@ -24,6 +23,7 @@ from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.reward.losses import pair_reward_losses
 from prefixdpo.core.scores import compute_response_scores, score_positions
 from prefixdpo.reward.verify import compare_scores
+from prefixdpo.core.attention.pass_plan import plan_pass
 from test_tree import CASES as TREE_CASES
 from tolerances import assert_matches_separate_passes, assert_within, float64_model
 
@@ -148,7 +148,7 @@ def test_empty_micro_batch_joins_the_backward_with_zero_weight():
     model = tiny_reward_model("llama")
     prepare_model(model, "sdpa")
     batch = empty_batch()
-    scores = compute_response_scores(model, batch, dense_mask(batch.spans))
+    scores = compute_response_scores(model, batch, plan_pass(batch, "sdpa"))
     scores.sum().backward()
     assert scores.tolist() == [0.0]
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -172,7 +172,7 @@ def test_models_that_are_not_one_label_classifiers_are_refused():
     from conftest import tiny_model
 
     batch = build_batch(random_examples())
-    mask = dense_mask(batch.spans)  # the sdpa backend's mask
+    mask = plan_pass(batch, "sdpa")  # the sdpa backend's plan
     causal = tiny_model("llama")
     prepare_model(causal, "sdpa")
     with pytest.raises(UnsupportedModelError, match="no `score` head"):

@@ -42,7 +42,7 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
     from conftest import tiny_model  # sets 2 intra-op threads, as the suite runs
     from prefixdpo_tools.bench.modes import layout_group
     from prefixdpo_tools.bench.workloads import synthetic_workload
-    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model
 
@@ -52,7 +52,7 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         model = tiny_model("llama").to(dtype)
         prepare_model(model, "sdpa")
         with torch.no_grad():
-            compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa"))
+            compute_response_logps(model, batch, plan_pass(batch, "sdpa"))
 calls = {}  # "op/dtype" -> input sizes in call order
 for event in sorted(prof.events(), key=lambda e: e.time_range.start):
     name = event.name.removeprefix("aten::").rstrip("_")

@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from prefixdpo.core.attention.masks import dense_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from conftest import make_examples, tiny_model
 from prefixdpo.commands.train import parse_train_args
 from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
@@ -353,7 +353,7 @@ def test_reference_tables_are_keyed_by_content_and_every_weight(tmp_path):
     cache = str(tmp_path / "cache")
 
     def sums_of(batch):
-        return reference_response_logps(model, batch, dense_mask(batch.spans)).sums
+        return reference_response_logps(model, batch, plan_pass(batch, "sdpa")).sums
 
     first, _, hit = reference.load_or_compute_table(model, examples, cache, sums_of=sums_of, settings=settings)
     assert not hit
@@ -434,16 +434,16 @@ MASK_CASES = {  # options of a 1-step run of 2 micro-batches (batch 2, accumulat
 
 def record_masks_and_micro_batches(monkeypatch) -> tuple[list, list]:
     """(every sdpa mask made, whoever asks for it; every MicroBatch the loader makes), as they happen."""
-    import prefixdpo.core.attention.backends as backends
+    import prefixdpo.core.attention.pass_plan as pass_plan
 
     masks, made = [], []
-    real_mask, real_item = backends.dense_mask, MicroBatches.__getitem__
+    real_mask, real_item = pass_plan.dense_mask, MicroBatches.__getitem__
 
     def counted_mask(spans, queries_from=0):
         masks.append(spans.shape[:2])
         return real_mask(spans, queries_from)
 
-    monkeypatch.setattr(backends, "dense_mask", counted_mask)
+    monkeypatch.setattr(pass_plan, "dense_mask", counted_mask)
     monkeypatch.setattr(MicroBatches, "__getitem__", lambda self, m: made.append(real_item(self, m)) or made[-1])
     return masks, made
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.core.verify import dpo_loss, separate_pass_logps
@@ -86,7 +86,7 @@ def test_a_tree_line_lays_shared_tokens_once_at_their_depth():
     assert batch.spans[0, :9, 1].tolist() == list(line.tout) and batch.response_last.tolist() == [4, 5, 7, 8]
     # response 0's tokens 5, 6 are predicted by 3 (row 2) and 5 (row 3); response 2's token 5 by 4 (row 6)
     assert batch.target_col.tolist() == [2, 3, 2, 6, 6] and batch.target_response.tolist() == [0, 0, 1, 2, 3]
-    mask = batch_attention_mask(batch, "sdpa")[0, 0]
+    mask = plan_pass(batch, "sdpa").mask[0, 0]
     assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # 6 sees its own sequence only
     assert mask[8].nonzero().flatten().tolist() == [0, 1, 6, 8]  # the last 7 sees [1 2 4] and itself
     assert mask[10].nonzero().flatten().tolist() == [10]  # padding: itself only
@@ -113,7 +113,7 @@ def test_tree_lines_match_stock_separate_passes(arch, case, backend):
     stock_grads = grads().clone()
     model.zero_grad(set_to_none=True)
     prepare_model(model, backend)
-    ours = compute_response_logps(model, batch, batch_attention_mask(batch, backend)).sums
+    ours = compute_response_logps(model, batch, plan_pass(batch, backend)).sums
     dpo_loss(ours, batch.pair_better, batch.pair_worse).backward()
     assert_within(ours.detach(), stock.detach(), stock.detach().abs().max().item(), k=K_FORWARD, what="sums")
     grad_scale = stock_grads.abs().max().item()
@@ -165,9 +165,9 @@ def test_the_flex_mask_mod_of_a_tree_equals_its_dense_mask_and_runs_like_sdpa(tm
     model = tiny_model("qwen2")
     prepare_model(model, "sdpa")
     with torch.no_grad():
-        sdpa = compute_response_logps(model, batch, batch_attention_mask(batch, "sdpa")).sums
+        sdpa = compute_response_logps(model, batch, plan_pass(batch, "sdpa")).sums
         try:
-            flex = compute_response_logps(model, batch, batch_attention_mask(batch, "flex")).sums
+            flex = compute_response_logps(model, batch, plan_pass(batch, "flex")).sums
         except Exception as err:  # ATEN_CPU_CAPABILITY=default: inductor has no CPU flex template
             if "not supported for CPU" not in str(err):
                 raise

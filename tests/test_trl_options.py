@@ -139,7 +139,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     from trl.trainer.utils import add_fused_lm_head
 
-    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.core.moe import recording_router_logits
@@ -159,7 +159,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     prepare_model(model, "sdpa")
     for packs in (None, [[0, 1, 2], [3, 4, 5]]):
         batch = build_batch(examples, packs=packs)
-        attention = batch_attention_mask(batch, "sdpa")
+        attention = plan_pass(batch, "sdpa")
         with torch.no_grad():
             ours = compute_response_logps(model, batch, attention, router_aux=True).aux_loss
         # E x sum over experts of (routed fraction x mean probability), inputs O(1 / E): its size is their scale
@@ -168,7 +168,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
     # the router logits we record are the model's own for the same row, and counting the row's tokens
     # once (the model's own aux loss on it) is not TRL's value: the multiplicity is what makes them equal
     batch = build_batch(examples)
-    attention = batch_attention_mask(batch, "sdpa")
+    attention = plan_pass(batch, "sdpa").mask
     with torch.no_grad(), recording_router_logits(model) as recorded:
         out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=attention,
                                   position_ids=batch.position_ids, output_router_logits=True, use_cache=False)
@@ -180,7 +180,7 @@ def test_router_aux_loss_equals_trl_on_its_padded_rows(arch):
 
 
 def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
-    from prefixdpo.core.attention.masks import dense_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.core.moe import resolve_router_aux_loss_coef
@@ -194,7 +194,7 @@ def test_router_aux_loss_has_gradient_and_coef_resolves_as_trl():
         resolve_router_aux_loss_coef(tiny_model("llama"), 0.1)
     prepare_model(model, "sdpa")
     batch = build_batch(make_examples(3))
-    aux = compute_response_logps(model, batch, dense_mask(batch.spans), router_aux=True).aux_loss
+    aux = compute_response_logps(model, batch, plan_pass(batch, "sdpa"), router_aux=True).aux_loss
     gate = model.model.layers[0].mlp.gate.weight
     (grad,) = torch.autograd.grad(aux, gate)
     assert grad.abs().max() > 0

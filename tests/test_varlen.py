@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from prefixdpo.core.attention import varlen
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.tree import build_tree_batch, tree_line
@@ -132,7 +133,7 @@ def test_carrier_dispatches_one_kernel_call_per_layer(kernel):
     prepare_model(model, "varlen")
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
     with torch.no_grad():
-        compute_response_logps(model, batch, batch_attention_mask(batch, "varlen"))
+        compute_response_logps(model, batch, plan_pass(batch, "varlen"))
     real_tokens = int((batch.spans[..., 0] >= 0).sum())
     assert kernel == [torch.Size([real_tokens, 4, 8])] * 3
 
@@ -177,13 +178,13 @@ def _check_plan_covers(plan: varlen.VarlenPlan, dense: torch.Tensor, real: torch
 
 
 def test_tree_plan_covers_exactly_the_tree_rule():
-    """On tree lines of depth 3 (two lines, padded) the varlen plan's pairs are the tree mask's, and the mask
-    built for varlen carries that plan."""
+    """On tree lines of depth 3 (two lines, padded) the varlen plan's pairs are the tree mask's, and the pass
+    plan built for varlen holds that plan."""
     build, _, lines = TREE_CASES["depth-3"]
     batch = build_tree_batch(build(random.Random(0)), lines, pad_multiple=8)
-    mask = batch_attention_mask(batch, "varlen")
-    assert mask.varlen_plan.num_segments > 2 * len(lines)  # several runs per line
-    _check_plan_covers(mask.varlen_plan, dense_mask(batch.spans)[:, 0], (batch.spans[..., 0] >= 0).flatten())
+    plan = plan_pass(batch, "varlen").mask
+    assert plan.num_segments > 2 * len(lines)  # several runs per line
+    _check_plan_covers(plan, dense_mask(batch.spans)[:, 0], (batch.spans[..., 0] >= 0).flatten())
 
 
 def test_plan_covers_exactly_the_allowed_pairs():
@@ -195,10 +196,10 @@ def test_plan_covers_exactly_the_allowed_pairs():
 
 def test_padding_positions_get_zeros(kernel):
     batch = build_batch(random_examples(), packs=[[0, 2], [1]], pad_multiple=8)
-    mask = batch_attention_mask(batch, "varlen")
+    plan = plan_pass(batch, "varlen").mask
     B, L = batch.input_ids.shape
     q, k, v = torch.randn(B, 4, L, 8), torch.randn(B, 2, L, 8), torch.randn(B, 2, L, 8)
-    out = varlen.varlen_attention(q, k, v, mask.varlen_plan)
+    out = varlen.varlen_attention(q, k, v, plan)
     assert out.shape == (B, L, 4, 8)
     pad = batch.spans[..., 0] < 0
     assert pad.any() and (out[pad] == 0).all() and (out[~pad] != 0).any()

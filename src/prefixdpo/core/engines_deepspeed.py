@@ -5,7 +5,7 @@ model is ours to prepare, as TRL's `prepare_deepspeed` does:
 
 - ZeRO-3: the reference becomes a ZeRO-3 inference engine, partitioned over the ranks like the policy,
   so no rank holds a full copy and every module's weights are gathered inside its forward (prefixdpo runs
-  the LM head inside the wrapped forward for this reason: `forward.through_engine`).
+  the LM head inside the wrapped forward for this reason: `model_call.through_engine`).
 - ZeRO-1/2: only optimizer state and gradients are partitioned, and the reference has neither: it is
   an engine with ZeRO off (stage 0), a whole copy per rank, as in TRL.
 

@@ -239,22 +239,18 @@ class ResponseLogps:
 
 
 def response_logps(hidden: torch.Tensor, batch: Batch, head: Head, chunk_size: int = 1024, *,
-                   stat: TokenStat | None = None, sp=None) -> ResponseLogps:
+                   stat: TokenStat | None = None) -> ResponseLogps:
     """Sum the log-probs of each response's tokens (and, with `stat`, that statistic, from the same head pass).
 
-    hidden: [B, L, D] final hidden states of the lines in `batch`; with `sp` (a `sequence_parallel.SequenceParallel`)
-    [B, L / N, D], this rank's columns: the head runs on the targets predicted there, and every rank gets all [T].
-    """
-    if sp is None:
-        per_token, stats = _target_logps(head, hidden, batch.target_line, batch.target_col, batch.target_ids,
-                                         chunk_size, stat)
-    else:
-        length = batch.input_ids.shape[1]
-        mine, local_cols = sp.owned(batch.target_col, length)
-        per_token, stats = _target_logps(head, hidden, batch.target_line[mine], local_cols, batch.target_ids[mine],
-                                         chunk_size, stat, min_tokens=sp.most_owned(batch.target_col, length))
-        per_token = sp.gathered(per_token, mine)
-        stats = None if stats is None else sp.gathered(stats, mine)
+    hidden: [B, L, D] final hidden states of the lines in `batch`."""
+    per_token, stats = _target_logps(head, hidden, batch.target_line, batch.target_col, batch.target_ids,
+                                     chunk_size, stat)
+    return response_sums(per_token, stats, batch)
+
+
+def response_sums(per_token: torch.Tensor, stats: torch.Tensor | None, batch: Batch) -> ResponseLogps:
+    """`ResponseLogps` of `batch` from each target's log-prob [T] (and statistic [T] or None), in `batch.target_*`
+    order."""
     R = batch.num_responses
 
     def per_response(values: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A line (`data.lines`) is a token trie. When it holds more than `max_tokens_per_pass` tokens, the *prefix* (the
 leading tokens every other token of the line descends from: a prompt, a system prompt and dialogue history) runs
-once, keeping each layer's keys and values (`backends.PrefixKV`, carried by each pass's mask to prefixdpo's
+once, keeping each layer's keys and values (`prefix_kv.PrefixKV`, carried by each pass's plan to prefixdpo's
 attention); the subtrees after it (the responses, or subtrees of a trie) run in
 *chunks* of whole subtrees, each chunk's queries attending the prefix's cached keys and values and their own by the
 line's span rule. The hidden states are those of the one-row pass, token for token, so every loss and gradient is.
@@ -15,9 +15,10 @@ through the prefix finishes the pass. The price is one more forward of the suffi
 of the prefix). Without gradient (a reference pass) nothing is
 recomputed: the prefix runs once, each chunk once.
 
-The plan (`core.attention.reuse_plan`: the prefix, the chunks) stands where the batch's attention mask stands, so
-every pass over a micro-batch (policy, reference, pre-pass) runs it. Every model call happens inside the one forward
-of the module the engine wraps (`forward.through_engine`), so DDP sees one call per pass, as for a one-row pass.
+The plan (`core.attention.reuse_plan`: the prefix, the chunks) is the `reuse` of the batch's pass plan, so every pass
+over a micro-batch (policy, reference, pre-pass) runs it; each of its passes runs a plan derived from it. Every model
+call happens inside the one forward of the module the engine wraps (`model_call.through_engine`), so DDP sees one
+call per pass, as for a one-row pass.
 
 FSDP2 and ZeRO-3 also gather each layer's weights at each call of the layer, on every rank together (and again in
 backward, for the layer's backward and a checkpointed chunk's recomputation), so every rank must make the same
@@ -43,16 +44,17 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from prefixdpo.core.attention.backends import PrefixKV, batch_attention_mask, with_prefix_kv
+from prefixdpo.core import model_call
+from prefixdpo.core.attention.pass_plan import PassPlan, plan_pass
+from prefixdpo.core.attention.prefix_kv import PrefixKV
 from prefixdpo.core.attention.reuse_plan import PrefixReuse
 from prefixdpo.core.rank_decisions import max_over_ranks
 
 
-def _with_zero_path(hidden: torch.Tensor, out) -> torch.Tensor:
-    """`hidden` plus exactly zero from the pass's own model output (its head at one position): FSDP2 crashes in
-    backward when an output of a sharded module reaches no loss (as `forward.compute_response_logps` does)."""
-    logits = getattr(out, "logits", None)
-    return hidden + logits.sum() * 0.0 if logits is not None and logits.requires_grad else hidden
+def _run(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, plan: PassPlan, model_inputs: dict):
+    """The hidden states [b, l, D] of one pass (`model_call.model_pass`), plus the exact zero of its own output."""
+    hidden, _, zero = model_call.model_pass(model, inner_forward, ids, pos, plan, **model_inputs)
+    return hidden + zero
 
 
 def _prefix_spans(spans: torch.Tensor, p: int) -> torch.Tensor:
@@ -91,18 +93,17 @@ def agreed_shape(reuse: PrefixReuse, device) -> tuple[bool, list[int]]:
     return bool(runs_whole), max_over_ranks(chunks + [0] * (lines - len(chunks)), device)
 
 
-def _stand_in_whole(model, inner_forward, input_ids: torch.Tensor, reuse: PrefixReuse, decoder_output):
+def _stand_in_whole(model, inner_forward, input_ids: torch.Tensor, reuse: PrefixReuse, model_inputs: dict):
     """A scalar 0 from a pass over one token of the batch: the whole pass of a rank whose lines all need chunks
     while another rank's fit (it runs every module, and its backward too)."""
     spans = torch.tensor([[[0, 1]]], device=input_ids.device)
-    mask = batch_attention_mask(spans, reuse.backend, segment_waste=reuse.segment_waste)
-    hidden, out = decoder_output(model, inner_forward, input_ids=input_ids[:1, :1],
-                                 position_ids=torch.zeros_like(input_ids[:1, :1]), attention_mask=mask)
-    return _with_zero_path(hidden, out).sum() * 0.0
+    plan = plan_pass(spans, reuse.backend, segment_waste=reuse.segment_waste)
+    one = input_ids[:1, :1]
+    return _run(model, inner_forward, one, torch.zeros_like(one), plan, model_inputs).sum() * 0.0
 
 
 def _line_passes(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, spans: torch.Tensor, p: int,
-                 chunks: tuple[tuple[int, int], ...], count: int, reuse: PrefixReuse, decoder_output):
+                 chunks: tuple[tuple[int, int], ...], count: int, reuse: PrefixReuse, model_inputs: dict):
     """The passes of one line ([1, n] ids and positions, [n, 2] spans): its prefix [0, p) once, then `count` chunk
     passes against the prefix's K/V, its `chunks` first and then one-token stand-ins (a rank whose line has fewer
     chunks than another rank's). -> (the prefix's and each real chunk's hidden states, [m, D] each; a scalar 0 with a
@@ -110,10 +111,8 @@ def _line_passes(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, spa
     the recomputations in backward line up across ranks too."""
     options = dict(segment_waste=reuse.segment_waste)
     prefix_kv = PrefixKV()  # each layer's keys and values of the prefix, kept by its pass
-    mask = with_prefix_kv(batch_attention_mask(_prefix_spans(spans, p), reuse.backend, **options), prefix_kv)
-    hidden, out = decoder_output(model, inner_forward, input_ids=ids[:, :p], position_ids=pos[:, :p],
-                                 attention_mask=mask)
-    parts, zero = [_with_zero_path(hidden, out)[0]], 0.0
+    plan = plan_pass(_prefix_spans(spans, p), reuse.backend, **options).with_prefix_kv(prefix_kv)
+    parts, zero = [_run(model, inner_forward, ids[:, :p], pos[:, :p], plan, model_inputs)[0]], 0.0
     for k in range(count):
         real = k < len(chunks)
         if real:
@@ -121,12 +120,11 @@ def _line_passes(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, spa
             chunk_spans, chunk_ids, chunk_pos = _chunk_spans(spans, p, start, end), ids[:, start:end], pos[:, start:end]
         else:  # one token after the prefix, attending it: the stand-in reads the prefix's K/V as a chunk does
             chunk_spans, chunk_ids, chunk_pos = _stand_in_chunk_spans(spans, p), ids[:, p - 1:p], pos[:, p - 1:p] + 1
-        chunk_mask = batch_attention_mask(chunk_spans, reuse.backend, queries_from=p, **options)
-        chunk_mask = with_prefix_kv(chunk_mask, prefix_kv.prepended())
+        chunk_plan = plan_pass(chunk_spans, reuse.backend, queries_from=p, **options)
+        chunk_plan = chunk_plan.with_prefix_kv(prefix_kv.prepended())
 
-        def chunk(ids=chunk_ids, pos=chunk_pos, mask=chunk_mask):  # bound now: recomputed after the loop
-            hidden, out = decoder_output(model, inner_forward, input_ids=ids, position_ids=pos, attention_mask=mask)
-            return _with_zero_path(hidden, out)[0]
+        def chunk(ids=chunk_ids, pos=chunk_pos, plan=chunk_plan):  # bound now: recomputed after the loop
+            return _run(model, inner_forward, ids, pos, plan, model_inputs)[0]
 
         # under gradient, a chunk's activations are recomputed in backward (module docstring), but the last one's:
         # backward starts with it, so keeping them costs no more than recomputing one chunk at a time
@@ -139,39 +137,38 @@ def _line_passes(model, inner_forward, ids: torch.Tensor, pos: torch.Tensor, spa
     return parts, zero
 
 
-def reused_hidden_states(model, inner_forward, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                         spans: torch.Tensor, reuse: PrefixReuse, decoder_output) -> torch.Tensor:
-    """The decoder's final hidden states [B, L, D] of the lines, run as `reuse` plans them (module docstring), inside
-    `through_engine`; zeros at padding. decoder_output: `forward.decoder_output` with the model's other inputs bound
-    (passed in: `forward` imports this module). Where `reuse` is aligned, the passes are the ranks' agreed shape
-    (`agreed_shape`): a rank with less to run adds stand-in passes, whose outputs are added as exact zeros."""
+def reused_hidden_states(model, inner_forward, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: PassPlan,
+                         model_inputs: dict) -> torch.Tensor:
+    """The decoder's final hidden states [B, L, D] of the lines, run as `plan.reuse` says (module docstring), inside
+    `through_engine`; zeros at padding. model_inputs: the model's other keywords, for each pass. Where the reuse is
+    aligned, the passes are the ranks' agreed shape (`agreed_shape`): a rank with less to run adds stand-in passes,
+    whose outputs are added as exact zeros."""
+    reuse, spans = plan.reuse, plan.spans
     B, L = input_ids.shape
     lines: list[torch.Tensor | None] = [None] * B
     runs_whole, counts = agreed_shape(reuse, input_ids.device)
-    whole = [b for b, plan in enumerate(reuse.plans) if plan is None]
+    whole = [b for b, line_plan in enumerate(reuse.plans) if line_plan is None]
     zero = 0.0
     if whole:  # the lines that fit run together, as an ordinary pass
         index = torch.tensor(whole, device=input_ids.device)
-        mask = batch_attention_mask(spans[index], reuse.backend, segment_waste=reuse.segment_waste)
-        hidden, out = decoder_output(model, inner_forward, input_ids=input_ids[index],
-                                     position_ids=position_ids[index], attention_mask=mask)
-        hidden = _with_zero_path(hidden, out)
+        whole_plan = plan_pass(spans[index], reuse.backend, segment_waste=reuse.segment_waste)
+        hidden = _run(model, inner_forward, input_ids[index], position_ids[index], whole_plan, model_inputs)
         for i, b in enumerate(whole):
             lines[b] = hidden[i]
     elif runs_whole:
-        zero = _stand_in_whole(model, inner_forward, input_ids, reuse, decoder_output)
-    plans = [plan for plan in reuse.plans if plan is not None]
+        zero = _stand_in_whole(model, inner_forward, input_ids, reuse, model_inputs)
+    plans = [line_plan for line_plan in reuse.plans if line_plan is not None]
     for i, count in enumerate(counts):
         if i < len(plans):
             b, p = plans[i].line, plans[i].prefix
             parts, stand_ins = _line_passes(model, inner_forward, input_ids[b:b + 1], position_ids[b:b + 1], spans[b],
-                                            p, plans[i].chunks, count, reuse, decoder_output)
+                                            p, plans[i].chunks, count, reuse, model_inputs)
             line = torch.cat(parts)
             lines[b] = torch.nn.functional.pad(line, (0, 0, 0, L - line.shape[0]))
         else:  # a stand-in line: a one-token prefix and `count` one-token chunks
             one = torch.tensor([[0, 1]], device=input_ids.device)
             parts, stand_ins = _line_passes(model, inner_forward, input_ids[:1, :1], torch.zeros_like(input_ids[:1, :1]),
-                                            one, 1, (), count, reuse, decoder_output)
+                                            one, 1, (), count, reuse, model_inputs)
             stand_ins = stand_ins + torch.cat(parts).sum() * 0.0
         zero = zero + stand_ins
     hidden = torch.stack(lines)

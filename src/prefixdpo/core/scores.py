@@ -13,7 +13,7 @@ the EOS token that ends every response, so the score is read before a trailing E
 sequence if every token is the pad token; the very last token when the model has no pad token.
 
 Everything that touches weights, the body and the score head, runs inside the forward of the module
-the engine wraps (`forward.through_engine`), so FSDP2 / ZeRO-3 see the score head's full weight.
+the engine wraps (the one pass, `one_pass.run_pass`), so FSDP2 / ZeRO-3 see the score head's full weight.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch
 
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.lines import sequence_tokens
-from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core import sequence_parallel
-from prefixdpo.core.forward import batch_inputs, pass_hidden_states, sharded_inputs, through_engine
+from prefixdpo.core.attention.pass_plan import PassPlan
+from prefixdpo.core.model_checks import base_model, check_sequences_fit_window, text_config
 from prefixdpo.core.logprobs import UnsupportedModelError
+from prefixdpo.core.one_pass import Readout, run_pass
 
 
 def score_head(model) -> torch.nn.Module:
@@ -61,12 +62,12 @@ def score_positions(batch: Batch, pad_token_id: int | None) -> tuple[torch.Tenso
     return line, torch.where(last >= 0, last, first)
 
 
-def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor:
+def compute_response_scores(model, batch: Batch, plan: PassPlan) -> torch.Tensor:
     """Reward scores [R] (fp32) of every response of `batch`; grad follows torch.is_grad_enabled().
 
-    attention_mask: the batch's mask for the run's backend (`backends.batch_attention_mask`), built once by the
-    caller. A batch with no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the score of
-    its last position, so every parameter takes part in the backward (DDP's and FSDP's collectives).
+    plan: the batch's pass plan for the run's backend (`pass_plan.plan_pass`), built once by the caller. A batch with
+    no response (a rank-balancing empty micro-batch) returns a [1] tensor: 0 x the head on no position, so every
+    parameter takes part in the backward (DDP's and FSDP's collectives).
     """
     cfg = text_config(base_model(model))
     head = score_head(model)
@@ -76,20 +77,17 @@ def compute_response_scores(model, batch: Batch, attention_mask) -> torch.Tensor
             "does from the tokenizer's pad token): it marks where each sequence ends")
     check_sequences_fit_window(model, batch)
     empty = batch.num_responses == 0
-    line, column = (None, None) if empty else score_positions(batch, cfg.pad_token_id)
-    sp = sequence_parallel.of(model)
-    if sp is not None and not empty:  # this rank's columns only: its scores, summed over the group after the head
-        mine, local = sp.owned(column, batch.input_ids.shape[1])
-        line, column = line[mine], local
+    if empty:
+        line = column = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+    else:
+        line, column = score_positions(batch, cfg.pad_token_id)
 
-    def body(inner_forward, **inputs) -> dict:
-        hidden, _ = pass_hidden_states(model, inner_forward, **inputs)
+    def scores(hidden: torch.Tensor, mine, min_rows: int) -> dict:
         # the head's own dtype: under mixed precision the body's output may differ from the head's weights
         dtype = next(head.parameters()).dtype
-        if empty:
-            return {"scores": head(hidden[:, -1].to(dtype)).float().sum().reshape(1) * 0.0}
-        scores = head(hidden[line, column].to(dtype)).float().squeeze(-1)
-        return {"scores": scores if sp is None else sp.gathered(scores, mine)}
+        return {"scores": head(hidden.to(dtype)).float().squeeze(-1)}
 
-    inputs = sharded_inputs(sp, batch_inputs(batch, attention_mask))
-    return through_engine(model, body, **inputs)["scores"]
+    readout = Readout(line, column, scores)
+    out = run_pass(model, plan.for_shard(sequence_parallel.of(model)), batch.input_ids, batch.position_ids, readout)
+    out = out["scores"]
+    return out.sum().reshape(1) * 0.0 if empty else out

@@ -4,7 +4,7 @@ Everything outside attention runs on each rank's own 1/N of the line's columns (
 head at the response positions it holds). Around every attention call DeepSpeed's Ulysses all-to-all
 (`deepspeed.sequence.layer.DistributedAttention`) turns the ranks' local queries, keys and values
 ``[B, l, H, D]`` (l = L / N) into head shards of the whole line ``[B, L, H / N, D]``, the attention runs there with
-the whole line's mask (any backend: dense SDPA, flex's BlockMask, segmented, varlen), and the output goes back the
+the whole line's plan (any backend: dense SDPA, flex's BlockMask, segmented, varlen), and the output goes back the
 same way. So the attention rule, ours included, applies unchanged: each head sees every token.
 
 Why this engine and not another: DeepSpeed's higher-level `UlyssesSPAttentionHF` (ALST, and accelerate's
@@ -19,7 +19,8 @@ every collective's backward is its adjoint, so each rank's gradient is N x its s
 and the engine's average over all W = N x M ranks turns it into the one-process gradient of its data-parallel
 group's loss (the loss's share is M / pairs instead of W / pairs: `training.base._step_share`).
 
-The model carries its group (`attach`); the attention finds it on the mask the forward hands the model.
+The model carries its group (`attach`); the pass puts it in its plan (`PassPlan.for_shard`), where the attention
+finds it.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class SequenceParallel:
     def __deepcopy__(self, memo):  # a model copied with its group shares it (a process group cannot be copied)
         return self
 
-    def attend(self, attend, module, query, key, value, mask, **kwargs):
-        """`attention` over this group (what `backends.prefix_attention_forward` calls)."""
-        return attention(self, attend, module, query, key, value, mask, **kwargs)
+    def attend(self, attend, module, query, key, value, plan, **kwargs):
+        """`attention` over this group (what `backends.prefix_attention_forward` calls with the pass's plan)."""
+        return attention(self, attend, module, query, key, value, plan, **kwargs)
 
     def local_length(self, length: int) -> int:
         """Columns this rank holds of a line of `length` (which the loader made a multiple of `size`)."""
@@ -199,23 +200,23 @@ def new_sequence_parallel(size: int) -> SequenceParallel | None:
     return SequenceParallel(size=size, rank=rank % size, group=group, attention=attention)
 
 
-def _head_shard_attention(query, key, value, attend, module, mask, kwargs):
+def _head_shard_attention(query, key, value, attend, module, plan, kwargs):
     """The local attention DistributedAttention runs on head shards of the whole line: query [B, L, H/N, D], key and
     value [B, L, Hkv/N, D] -> [B, L, H/N, D] (transformers' attention functions take [B, heads, L, D] and return
     [B, L, heads, D])."""
-    out, _ = attend(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, **kwargs)
+    out, _ = attend(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, **kwargs)
     return out
 
 
-def attention(sp: SequenceParallel, attend, module, query, key, value, mask, **kwargs):
-    """`attend` (a transformers attention function) of this rank's columns, over the whole line: query [B, H, l, D],
-    key/value [B, Hkv, l, D], mask the whole line's -> ([B, l, H, D], None)."""
+def attention(sp: SequenceParallel, attend, module, query, key, value, plan, **kwargs):
+    """`attend` (`backends._line_attention`) of this rank's columns, over the whole line: query [B, H, l, D],
+    key/value [B, Hkv, l, D], plan the whole line's pass plan -> ([B, l, H, D], None)."""
     for feature in ("s_aux", "sinks"):
         if kwargs.get(feature) is not None:
             raise ConfigError(f"sequence parallelism does not split attention '{feature}' over heads yet: set "
                               "sequence_parallel_size 1 for this model")
     out = sp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0, None,
-                       attend, module, mask, kwargs)
+                       attend, module, plan, kwargs)
     return out, None
 
 

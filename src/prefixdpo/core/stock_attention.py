@@ -11,16 +11,16 @@ Right padding keeps a causal recurrence exact: a padded slot comes after every r
 
 A packed line would run a recurrence from one sequence into the next, so this route runs unpacked lines only (packing
 is refused, `model_setup.check_stock_route`). The route is named by the pass backend `STOCK` (`prepare_model` returns
-it), so every pass of the run (policy, reference, reference tables) builds its mask with `pass_mask`.
+it), so every pass of the run (policy, reference, reference tables) builds its plan with `plan_run_pass`: a
+`PassPlan` whose model mask is the padding mask and which no attention of prefixdpo's reads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import ATTENTION_NAME, batch_attention_mask
-
-STOCK = "stock"  # the pass backend of this route: the model's own attention, a [B, L] padding mask
+from prefixdpo.core.attention.backends import ATTENTION_NAME
+from prefixdpo.core.attention.pass_plan import STOCK, PassPlan, plan_pass
 
 
 def stock_implementation(model) -> str:
@@ -61,9 +61,11 @@ def padding_mask(lines) -> torch.Tensor:
     return (spans[..., 0] >= 0).long()
 
 
-def pass_mask(lines, backend: str, **options):
-    """The `attention_mask` of a pass over `lines` on a resolved `backend`: the padding mask on the `STOCK` route,
-    else prefixdpo's mask for the backend (`backends.batch_attention_mask`, with its `options`)."""
+def plan_run_pass(lines, backend: str, **options) -> PassPlan:
+    """The plan of a pass over `lines` on a resolved `backend`: on the `STOCK` route, a plan whose model mask is the
+    padding mask (the model's own attention builds its masks from it), else prefixdpo's (`pass_plan.plan_pass`, with
+    its `options`)."""
     if backend == STOCK:
-        return padding_mask(lines)
-    return batch_attention_mask(lines, backend, **options)
+        spans = lines if isinstance(lines, torch.Tensor) else lines.spans
+        return PassPlan(spans=spans, backend=STOCK, mask=padding_mask(spans))
+    return plan_pass(lines, backend, **options)

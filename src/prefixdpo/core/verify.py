@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.data.batch import Batch, build_batch
 from prefixdpo.data.tree import build_tree_batch
 from prefixdpo.data.example import Example
@@ -132,7 +133,7 @@ def compare_passes(model, examples: list[Example], separate, ours, loss, *, back
     with torch.set_grad_enabled(with_grad):
         reference = separate(model, examples)
         prepare_model(model, backend)
-        mine = ours(model, batch, batch_attention_mask(batch, backend))
+        mine = ours(model, batch, plan_pass(batch, backend))
     result = VerifyResult(case=case, logp_diff=(mine - reference).detach().abs().max().item(),
                           logp_scale=reference.detach().abs().max().item(), grad_diff=None, grad_scale=None)
     if with_grad:

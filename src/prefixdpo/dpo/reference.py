@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from prefixdpo.core.attention.backends import resolve_backend
-from prefixdpo.core.stock_attention import STOCK, pass_mask
+from prefixdpo.core.stock_attention import STOCK, plan_run_pass
 from prefixdpo.core.engines import prepare_reference_for_engine
 from prefixdpo.core.engines_deepspeed import reference_copy
 from prefixdpo.core.forward import compute_response_logps
@@ -171,7 +171,7 @@ class ModelPassReference(Reference):
         """A table batch's mask (one per batch, no grad)."""
         backend = self.backend if self.backend == STOCK else resolve_backend(self.backend, batch.input_ids.device,
                                                                              needs_grad=False)
-        return pass_mask(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
+        return plan_run_pass(batch, backend, max_tokens_per_pass=self.tokens_per_pass)
 
     def park(self) -> None:
         """Used only for tables from now on: free the accelerator between them (nothing to move here)."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prefixdpo.core.stock_attention import pass_mask
+from prefixdpo.core.stock_attention import plan_run_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.core.logprobs import ResponseLogps
 from prefixdpo.core.moe import resolve_router_aux_loss_coef
@@ -104,7 +104,7 @@ class StepInputs:
         if self.batch is not None:
             return self
         batch = (stand_in_batch(pad_token_id, pad_multiple) if self.idle else self.micro.batch).to(device)
-        mask = pass_mask(batch, backend, max_tokens_per_pass=tokens_per_pass)
+        mask = plan_run_pass(batch, backend, max_tokens_per_pass=tokens_per_pass)
         return replace(self, batch=batch, mask=mask)
 
 

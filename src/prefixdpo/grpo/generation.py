@@ -34,6 +34,7 @@ numbers (dropout or MoE router jitter in training mode).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import GenerationMode
 
 from prefixdpo.core.attention.backends import ATTENTION_NAME
+from prefixdpo.core.attention.pass_plan import decoding_plan
 from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
 from prefixdpo.core.model_checks import base_model, text_config
 
@@ -224,11 +226,40 @@ def shared_prompt_generate(model, generate, count: PrefillCount | None = None, /
     cache = prefill_shared_prompts(model, groups)
     if count is not None:
         count.add(groups, attention_mask)
-    out = generate(**kwargs, **{cache_kwarg(model): cache})
+    shared = any(isinstance(layer, SharedPromptLayer) for layer in cache.layers)
+    plan = decoding_plan(cache, int(input_ids.shape[0]), input_ids.device) if shared else None
+    with forward_with_plan(base_model(model), plan):
+        out = generate(**kwargs, **{cache_kwarg(model): cache})
     for layer in cache.layers:  # the last step's keys too
         if isinstance(layer, SharedPromptLayer):
             layer.check_read()
     return out
+
+
+@contextlib.contextmanager
+def forward_with_plan(hf, plan):
+    """While inside: every call of `hf` (the transformers model `generate` runs) gets `pass_plan=plan`, which its
+    attention calls receive (`backends.prefix_attention_forward`); None: unchanged. `generate` checks its keywords
+    against the forward's signature, which the wrapper keeps (`functools.wraps`), so the plan is added here, not
+    passed to `generate`."""
+    if plan is None:
+        yield
+        return
+    own = hf.__dict__.get("forward")  # an instance-level forward (accelerate's autocast wrapper) stays in use
+    inner = own if own is not None else hf.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return inner(*args, **kwargs, pass_plan=plan)
+
+    hf.forward = forward
+    try:
+        yield
+    finally:
+        if own is not None:
+            hf.forward = own
+        else:
+            del hf.forward
 
 
 class SharedPromptRoute:

@@ -1,8 +1,8 @@
 """Per-token log-probs (and entropies, and the MoE load-balancing loss) of TRL's rows from prefix-shared lines.
 
-The lines (`layout.GroupLines`) run through the engine-wrapped model (`through_engine`: DDP, FSDP2,
-DeepSpeed and PEFT see one ordinary forward call); inside that forward the decoder's final hidden states
-are taken at the slots that predict a scored token only, and TRL's own fused LM-head kernel
+The lines (`layout.GroupLines`) run through the one pass (`core.one_pass.run_pass`: DDP, FSDP2, DeepSpeed and
+PEFT see one ordinary forward call); inside that forward the decoder's final hidden states are taken at the slots
+that predict a scored token only, and TRL's own fused LM-head kernel
 (`trl.kernels.ChunkedLogProbFunction`, the one its `add_fused_lm_head` runs, with its temperature, logit
 scale, soft-cap and entropy, forward and backward) turns them into log-probs. The results are scattered
 back to TRL's `[rows, logits_to_keep]` layout, zero where TRL's are zero (masked columns).
@@ -15,15 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixdpo.core.attention.pass_plan import PassPlan, plan_pass
+from prefixdpo.core.forward import causal_lm_inputs
 from prefixdpo.core.model_checks import base_model, text_config
-
-from prefixdpo.core.attention.backends import batch_attention_mask
-from prefixdpo.core.attention.reuse_plan import PrefixReuse
-from prefixdpo.errors import ConfigError
-
-from prefixdpo.core.forward import final_hidden_states, sharded_inputs, through_engine
-
-from prefixdpo.core.moe import recording_router_logits
+from prefixdpo.core.one_pass import Readout, run_pass
 from prefixdpo.grpo.layout import GroupLines, aux_token_weights, line_chunks
 
 
@@ -86,38 +81,19 @@ def trl_head(hf, hidden: torch.Tensor, targets: torch.Tensor, settings: HeadSett
     return logps, ent
 
 
-def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, settings: HeadSettings, entropy: bool,
-                aux: bool, sp=None):
-    """The forward of the chunk of lines from `first_line` on (whose scored tokens are `targets`), run inside
-    `through_engine`. Returns a dict of tensors: logps [t], entropy [t] (if asked), router_logits
-    [layers, lines x slots, experts] (if aux). With `sp` (`core.sequence_parallel`) this rank holds 1/N of each line's
-    columns: the head runs on the targets predicted there, and the results are summed over the group."""
+def _lines_readout(model, lines: GroupLines, first_line: int, targets: slice, settings: HeadSettings,
+                   entropy: bool, aux: bool) -> Readout:
+    """What the pass over the chunk of lines from `first_line` on reads (`one_pass.Readout`): TRL's head at the slots
+    predicting its scored tokens `targets` -> logps [t], entropy [t] (if asked), and the router logits (if aux)."""
     hf = base_model(model)
-    line, column, ids = lines.target_line[targets] - first_line, lines.target_col[targets], lines.target_ids[targets]
-    if sp is not None:
-        mine, local = sp.owned(column, lines.input_ids.shape[1])
-        line, column, ids = line[mine], local, ids[mine]
+    ids = lines.target_ids[targets]
 
-    def body(inner_forward, **inputs) -> dict:
-        with recording_router_logits(model) if aux else contextlib.nullcontext() as router:
-            hidden, last_logits = final_hidden_states(model, inner_forward, **inputs)
-        logps, ent = trl_head(hf, hidden[line, column], ids, settings, entropy)
-        if sp is not None:
-            logps = sp.gathered(logps, mine)
-            ent = None if ent is None else sp.gathered(ent, mine)
-        if last_logits is not None and last_logits.requires_grad:
-            # A path of exactly zero from the model's own head call to the result: FSDP2 crashes in backward
-            # when an output of a sharded module reaches no loss, and a pass with no scored token (every
-            # completion masked) still has a graph to run backward through, as TRL's has.
-            logps = logps + last_logits.sum() * 0.0
-        out = {"logps": logps}
-        if ent is not None:
-            out["entropy"] = ent
-        if aux:
-            out["router_logits"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in router])
-        return out
+    def head(hidden: torch.Tensor, mine, min_rows: int) -> dict:
+        logps, ent = trl_head(hf, hidden, ids if mine is None else ids[mine], settings, entropy)
+        return {"logps": logps} if ent is None else {"logps": logps, "entropy": ent}
 
-    return body
+    line, column = lines.target_line[targets] - first_line, lines.target_col[targets]
+    return Readout(line, column, head, model_inputs=causal_lm_inputs(model), router_logits=aux)
 
 
 # Padding a segmented-attention group may add at most this share of its real query-key cells (`segments._group`;
@@ -128,13 +104,13 @@ def _lines_body(model, lines: GroupLines, first_line: int, targets: slice, setti
 GROUP_SEGMENT_WASTE = 0.1
 
 
-def _chunk_mask(lines: GroupLines, start: int, end: int, backend: str, tokens_per_pass: int | None = None):
-    """The attention mask of lines [start, end) for `backend` (a `PrefixReuse` plan for a line over
-    `tokens_per_pass`), built once per layout (`GroupLines.masks`)."""
+def _chunk_plan(lines: GroupLines, start: int, end: int, backend: str, tokens_per_pass: int | None = None) -> PassPlan:
+    """The pass plan of lines [start, end) for `backend` (prefix reuse's for a line over `tokens_per_pass`), built
+    once per layout (`GroupLines.masks`)."""
     key = (start, end, backend, tokens_per_pass)
     if key not in lines.masks:
-        lines.masks[key] = batch_attention_mask(lines.spans[start:end], backend, segment_waste=GROUP_SEGMENT_WASTE,
-                                                max_tokens_per_pass=tokens_per_pass)
+        lines.masks[key] = plan_pass(lines.spans[start:end], backend, segment_waste=GROUP_SEGMENT_WASTE,
+                                     max_tokens_per_pass=tokens_per_pass)
     return lines.masks[key]
 
 
@@ -166,21 +142,13 @@ def group_logps(
     sp: this rank's sequence-parallel group (`core.sequence_parallel`; every rank of it runs these same lines), or
     None.
     """
-    if sp is not None and aux_row_chunks is not None:
-        raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
-                          "router_aux_loss_coef 0, or sequence_parallel_size 1")
     aux = aux_row_chunks is not None
     logps, entropies, router = [], [], []
     for start, end in line_chunks(lines, max_slots):
-        targets = _chunk_targets(lines, start, end)
-        mask = _chunk_mask(lines, start, end, backend, tokens_per_pass)
-        if aux and isinstance(mask, PrefixReuse):
-            raise ConfigError("prefix_reuse does not compute the MoE load-balancing loss (its router logits come in "
-                              "chunks, not the lines' layout): set router_aux_loss_coef 0, or prefix_reuse false")
-        inputs = {"input_ids": lines.input_ids[start:end], "position_ids": lines.position_ids[start:end],
-                  "attention_mask": mask, "spans": lines.spans[start:end]}
-        body = _lines_body(model, lines, start, targets, settings, compute_entropy, aux, sp)
-        out = through_engine(model, body, **sharded_inputs(sp, inputs))
+        plan = _chunk_plan(lines, start, end, backend, tokens_per_pass).for_shard(sp)
+        readout = _lines_readout(model, lines, start, _chunk_targets(lines, start, end), settings, compute_entropy,
+                                 aux)
+        out = run_pass(model, plan, lines.input_ids[start:end], lines.position_ids[start:end], readout)
         logps.append(out["logps"])
         if compute_entropy:
             entropies.append(out["entropy"])

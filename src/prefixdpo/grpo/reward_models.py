@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.data.example import Example
 from prefixdpo.data.packing import auto_pack_length
 from prefixdpo.data.lines import bucket_length
@@ -84,7 +84,7 @@ def shared_reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.T
     pad = getattr(model.config, "pad_token_id", None)
     batch = build_tree_batch(examples, lines, pad_token_id=0 if pad is None else int(pad), length=length)
     batch = batch.to(input_ids.device)
-    scores = compute_response_scores(model, batch, batch_attention_mask(batch, backend))  # [R], example by example
+    scores = compute_response_scores(model, batch, plan_pass(batch, backend))  # [R], example by example
     out = torch.empty(input_ids.shape[0], dtype=scores.dtype, device=scores.device)
     r = 0
     for ex, idx in zip(examples, rows_of):

@@ -52,7 +52,6 @@ from trl.trainer.utils import RepeatSampler
 from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.data.lines import padded
-from prefixdpo.errors import ConfigError
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
 from prefixdpo.training.settings import apply_engine_settings
@@ -60,6 +59,7 @@ from prefixdpo.training.options import resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
 from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
+from prefixdpo.core.one_pass import refuse_unbuilt
 from prefixdpo.grpo.logps import group_logps, trl_head_settings
 from prefixdpo.grpo.reward_checks import GuardedRewards
 from prefixdpo.grpo.run_notes import SaidOnce, SharingCounts
@@ -175,9 +175,7 @@ class PrefixSharedLogps:
         same backward, collectives in the same order; their backward sums bring each member's gradient to every rank
         (`core.sequence_parallel`), and DDP's average over ranks is then that of TRL's data-parallel run."""
         sp = self.sequence_parallel
-        if compute_aux_loss:
-            raise ConfigError("sequence parallelism does not compute the MoE load-balancing loss yet: set "
-                              "router_aux_loss_coef 0, or sequence_parallel_size 1")
+        refuse_unbuilt(reuse=False, sp=sp, router_logits=compute_aux_loss)  # before the group's collectives
         reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
         members: list = [None] * sp.size
         torch.distributed.all_gather_object(

@@ -13,7 +13,7 @@ split it. TRL averages micro-batch means instead; the two agree when micro-batch
 
 from __future__ import annotations
 
-from prefixdpo.core.stock_attention import pass_mask
+from prefixdpo.core.stock_attention import plan_run_pass
 from prefixdpo.data.loader import MicroBatch
 from prefixdpo.reward.config import PrefixRewardConfig, reward_data_options
 from prefixdpo.reward.data import reward_examples
@@ -62,7 +62,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
         batch = inputs.batch.to(self.args.device)
-        mask = pass_mask(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
+        mask = plan_run_pass(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
         scores = compute_response_scores(model, batch, mask)
         if batch.num_pairs == 0:
             return None, scores

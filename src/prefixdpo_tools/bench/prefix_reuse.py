@@ -116,18 +116,18 @@ def _dpo_step(policy, reference, batch, mask, beta: float = 0.1) -> int:
 
 def run_mode(mode: str, example: Example, policy, reference, backend: str, device: str) -> int:
     """One DPO step of `example` in `mode` (module docstring); -> activation bytes (the largest row's in split)."""
-    from prefixdpo.core.attention.backends import batch_attention_mask
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.data.batch import build_batch
 
     if mode == "split":
         kept = 0
         for part in pair_examples(example):
             batch = build_batch([part]).to(device)
-            kept = max(kept, _dpo_step(policy, reference, batch, batch_attention_mask(batch, backend)))
+            kept = max(kept, _dpo_step(policy, reference, batch, plan_pass(batch, backend)))
         return kept
     batch = build_batch([example]).to(device)
     budget = budget_of(example) if mode == "reused" else None
-    return _dpo_step(policy, reference, batch, batch_attention_mask(batch, backend, max_tokens_per_pass=budget))
+    return _dpo_step(policy, reference, batch, plan_pass(batch, backend, max_tokens_per_pass=budget))
 
 
 def reused_share(example: Example) -> float:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.data.batch import Batch
 from prefixdpo.data.example import Example
 from prefixdpo_tools.bench.flops import FlopCount, ModelShape, shared_flop_count, standard_flop_count
@@ -82,7 +83,7 @@ class RewardStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr)
 
     def step(self, batch: Batch) -> float:
-        mask = batch_attention_mask(batch, self.backend)  # built in the step: timed
+        mask = plan_pass(batch, self.backend)  # built in the step: timed
         scores = compute_response_scores(self.model, batch, mask)
         loss = pair_reward_losses(scores, batch.pair_better, batch.pair_worse).mean()
         loss.backward()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from prefixdpo.core import sequence_parallel
-from prefixdpo.core.attention.backends import batch_attention_mask
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.forward import compute_response_logps
 from prefixdpo.data.batch import build_batch
 from prefixdpo.data.example import Example
@@ -57,7 +57,7 @@ def measure_row(model, example: Example, backend: str, device, sp: sequence_para
                 chunk_size: int = 1024) -> RowMemory:
     """`RowMemory` of a policy pass over `example`'s row (padded to the group's size) and its backward."""
     batch = build_batch([example], pad_multiple=1 if sp is None else sp.size).to(device)
-    mask = batch_attention_mask(batch, backend)
+    mask = plan_pass(batch, backend)
     sequence_parallel.attach(model, sp)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     length = batch.input_ids.shape[1]

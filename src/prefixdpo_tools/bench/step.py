@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from prefixdpo.core.attention.backends import batch_attention_mask, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.data.batch import Batch
 from prefixdpo.dpo.loss_table import LossParams
 from prefixdpo.dpo.reference import Reference, SeparateModelReference
@@ -28,7 +29,7 @@ def dpo_losses(policy, reference, batch: Batch, *, backend: str, beta: float = 0
     backend = resolve_backend(backend, batch.input_ids.device, needs_grad=torch.is_grad_enabled())
     ref = reference if isinstance(reference, Reference) else SeparateModelReference(
         reference, chunk_size=chunk_size, backend=backend)
-    mask = batch_attention_mask(batch, backend)
+    mask = plan_pass(batch, backend)
     return pair_losses(policy, batch, mask, reference=ref, objective=Objective(params=LossParams(beta=beta)),
                        chunk_size=chunk_size).losses
 

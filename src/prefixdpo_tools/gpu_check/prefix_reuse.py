@@ -58,8 +58,7 @@ def _pass(model, batch, mask, device: str):
 
 def reuse_check(arch: str, backend: str, device: str) -> CheckResult:
     """See the module docstring ("reuse <arch> <backend>")."""
-    from prefixdpo.core.attention.backends import batch_attention_mask
-    from prefixdpo.core.attention.reuse_plan import plan_reuse
+    from prefixdpo.core.attention.pass_plan import plan_pass
     from prefixdpo.core.model_checks import prepare_model
     from prefixdpo.core.verify import DTYPE_TOLERANCES
     from prefixdpo_tools.gpu_check.tiny_models import tiny_causal_lm
@@ -69,9 +68,9 @@ def reuse_check(arch: str, backend: str, device: str) -> CheckResult:
     model.config.max_position_embeddings = 4096
     prepare_model(model, backend)
     batch = _batch(device)
-    reuse = plan_reuse(batch.spans, BUDGET, backend)
-    chunks = [len(p.chunks) for p in reuse.plans if p is not None]
-    one_sums, one_grads, one_peak = _pass(model, batch, batch_attention_mask(batch, backend), device)
+    reuse = plan_pass(batch, backend, max_tokens_per_pass=BUDGET)
+    chunks = [len(p.chunks) for p in reuse.reuse.plans if p is not None]
+    one_sums, one_grads, one_peak = _pass(model, batch, plan_pass(batch, backend), device)
     sums, grads, peak = _pass(model, batch, reuse, device)
     logp_tol, grad_tol = DTYPE_TOLERANCES[str(dtype).removeprefix("torch.")]
     sum_diff = float((sums - one_sums).abs().max() / one_sums.abs().max())

@@ -53,19 +53,20 @@ def _layer_and_line(device, dtype):
 
 def head_shard_check(backend: str, device: str) -> CheckResult:
     """See the module docstring ("heads <backend>")."""
-    from prefixdpo.core.attention.backends import _line_attention, batch_attention_mask
+    from prefixdpo.core.attention.backends import _line_attention
+    from prefixdpo.core.attention.pass_plan import plan_pass
 
     dtype = torch.bfloat16 if backend == "varlen" else torch.float32
     module, spans = _layer_and_line(device, dtype)
-    mask = batch_attention_mask(spans, backend)
+    plan = plan_pass(spans, backend)
     g = torch.Generator(device=device).manual_seed(0)
     L, D = spans.shape[1], module.head_dim
     q, k, v = (torch.randn(1, h, L, D, generator=g, device=device, dtype=dtype) for h in (8, 4, 4))
     scaling = module.scaling
     with torch.no_grad():
-        whole, _ = _line_attention(module, q, k, v, mask, scaling=scaling, dropout=0.0)  # [1, L, 8, D]
+        whole, _ = _line_attention(module, q, k, v, plan, scaling=scaling, dropout=0.0)  # [1, L, 8, D]
         halves = [_line_attention(module, q[:, s * 4:(s + 1) * 4], k[:, s * 2:(s + 1) * 2], v[:, s * 2:(s + 1) * 2],
-                                  mask, scaling=scaling, dropout=0.0)[0] for s in (0, 1)]
+                                  plan, scaling=scaling, dropout=0.0)[0] for s in (0, 1)]
     sharded = torch.cat(halves, dim=2)
     diff = float((sharded.float() - whole.float()).abs().max())
     bound = TOL_EPS * torch.finfo(dtype).eps * max(float(whole.float().abs().max()), 1.0)

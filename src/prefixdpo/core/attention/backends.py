@@ -1,11 +1,10 @@
 """Attention backends for prefix-shared lines, as one named transformers attention implementation.
 
 `ATTENTION_NAME` is registered with `transformers.AttentionInterface`, so every model that supports
-sdpa/flex runs it without per-architecture patches. transformers hands a 4D tensor or a BlockMask given
-as `attention_mask=` straight to the attention function, so the backend is chosen by the *mask* we
-build (`batch_attention_mask`, from the lines' spans, the one rule of `masks.py`): a BlockMask runs FlexAttention, a
-dense boolean `[B,1,L,L]` mask runs SDPA, a zero-size tensor carrying a `prefix_plan` runs segmented SDPA, one
-carrying a `varlen_plan` runs FlashAttention varlen.
+sdpa/flex runs it without per-architecture patches. A prefixdpo pass hands the model its plan as one keyword,
+`model(..., pass_plan=plan)` (`pass_plan.PassPlan`), which transformers passes down to the attention function; the
+plan's `backend` picks the entry of `ATTENTION`, the dispatch table: dense-mask SDPA, FlexAttention over a BlockMask,
+segmented SDPA, FlashAttention varlen, or decoding over prompts held once (`shared_prompt`).
 """
 
 from __future__ import annotations
@@ -16,28 +15,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.flex_compile import allow_flex_recompiles
-from prefixdpo.core.attention.reuse_plan import plan_reuse
-from prefixdpo.core.attention.segments import SegmentPlan, build_segment_plan, segmented_attention
+from prefixdpo.core.attention.pass_plan import SHARED_PROMPT, PassPlan
+from prefixdpo.core.attention.segments import segmented_attention
 from prefixdpo.core.attention.shared_prompt import shared_prompt_attention
 from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
-
-
-def segment_plan_mask(plan: SegmentPlan, device) -> torch.Tensor:
-    """A zero-size 4D tensor carrying the plan as an attribute.
-
-    transformers passes any 4D tensor given as `attention_mask` unchanged to the attention function
-    (and gradient checkpointing re-passes the same object on recompute), so the plan travels with it
-    without relying on every model forwarding extra kwargs.
-    """
-    carrier = torch.empty(plan.batch_size, 1, 0, 0, dtype=torch.bool, device=device)
-    carrier.prefix_plan = plan
-    return carrier
 
 
 def _is_block_mask(mask) -> bool:
@@ -46,90 +32,108 @@ def _is_block_mask(mask) -> bool:
     return isinstance(mask, BlockMask)
 
 
-def prefix_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """query [B,H,L,D], key/value [B,Hkv,L,D]; attention_mask a BlockMask, a bool [B,1,L,L], or None.
-
-    None happens only outside prefixdpo's forward (e.g. `generate`): plain causal attention then. A mask carrying
-    `prefix_kv` (`PrefixKV`, prefix reuse) records this layer's keys and values, or puts a cached prefix's before them.
-    A mask carrying `sequence_parallel` (`core.sequence_parallel`): query/key/value hold this rank's l = L / N
-    columns; the attention runs on head shards of the whole line (the mask's) between two all-to-alls.
-    """
-    sp = getattr(attention_mask, "sequence_parallel", None)
-    if sp is not None:
-        return sp.attend(_line_attention, module, query, key, value, attention_mask, **kwargs)
-    return _line_attention(module, query, key, value, attention_mask, **kwargs)
+def _needs_plan(mask, query, key) -> bool:
+    """Whether `mask` (what the attention got without a plan) covers other columns than query [B,H,Lq,D] and key
+    [B,Hkv,Lk,D]: it then belongs to a pass only its plan runs (module docstring of `pass_plan`)."""
+    if mask is None:
+        return False
+    lengths = tuple(mask.seq_lengths) if _is_block_mask(mask) else tuple(mask.shape[-2:])
+    return lengths != (query.shape[2], key.shape[2]) and not (lengths[0] == 1 and lengths[1] == key.shape[2])
 
 
-def _line_attention(module, query, key, value, attention_mask, **kwargs):
-    """`prefix_attention_forward` over whole lines: query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None)."""
-    if getattr(key, "shared_prompt", None) is not None:  # decoding over prompts cached once (`shared_prompt`)
-        out, key, value = shared_prompt_attention(key, value, query, attention_mask, kwargs)
-        if out is not None:
-            return out, None
-    store = getattr(attention_mask, "prefix_kv", None)
-    if store is not None:
-        key, value = store.keys_values(module, key, value)
-    if attention_mask is not None and _is_block_mask(attention_mask):
-        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    plan = getattr(attention_mask, "prefix_plan", None)
-    if plan is not None:
-        for feature in ("softcap", "s_aux", "sinks"):
-            if kwargs.get(feature) is not None:
-                raise ValueError(f"segmented attention does not support '{feature}'; use the sdpa or flex backend")
-        dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
-        return segmented_attention(query, key, value, plan, scaling=kwargs.get("scaling"), dropout=dropout), None
-    plan = getattr(attention_mask, "varlen_plan", None)
-    if plan is not None:
-        for feature in ("softcap", "s_aux", "sinks"):
-            if kwargs.get(feature) is not None:
-                raise ValueError(f"varlen attention does not support '{feature}'; use the flex backend")
-        if module.training and kwargs.get("dropout", 0.0):
-            raise ConfigError(
-                f"attention='varlen' has no attention dropout (the model's is {kwargs['dropout']}); "
-                "use 'flex' or 'sdpa', or set the model's attention_dropout to 0"
-            )
-        return varlen.varlen_attention(query, key, value, plan, scaling=kwargs.get("scaling")), None
-    if attention_mask is not None and attention_mask.numel() == 0:
-        raise ValueError("a segmented- or varlen-attention mask lost its plan on the way to the attention function")
-    if attention_mask is None:
+def _model_name(module) -> str:
+    """The model an attention module belongs to, for a message: its config's model_type, else its class."""
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None) or type(module).__name__
+
+
+def prefix_attention_forward(module, query, key, value, attention_mask, pass_plan: PassPlan | None = None,
+                             **kwargs):
+    """query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None), as `pass_plan` says.
+
+    Without a plan: the mask alone, as a stock attention runs it: `generate` and its prefill (transformers' mask;
+    None: causal), or a plain line pass whose model dropped the keyword on the way (its dense mask or BlockMask is the
+    rule, whole). A mask that does not fit the query and key columns (a zero-size stand-in, a chunk's mask over a
+    cached prefix, a sequence-parallel rank's) is a prefixdpo pass that needs its plan: refused in one line, never
+    run. With the plan's `sequence_parallel` (`core.sequence_parallel`): query/key/value hold this rank's l = L / N
+    columns; the attention runs on head shards of the whole line between two all-to-alls."""
+    if pass_plan is None:
+        if _needs_plan(attention_mask, query, key):
+            raise ConfigError(f"the model ({_model_name(module)}) does not hand prefixdpo's pass plan (the "
+                              "`pass_plan` keyword) to its attention, so prefix-shared lines cannot run on it: "
+                              "use --prefix_sharing false")
+        if _is_block_mask(attention_mask):
+            return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    if pass_plan.sequence_parallel is not None:
+        return pass_plan.sequence_parallel.attend(_line_attention, module, query, key, value, pass_plan, **kwargs)
+    return _line_attention(module, query, key, value, pass_plan, attention_mask=attention_mask, **kwargs)
+
+
+def _line_attention(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """`prefix_attention_forward` over whole lines: query [B,H,L,D], key/value [B,Hkv,L,D] -> ([B,L,H,D], None).
+    A plan with a cached prefix store (`prefix_kv`, prefix reuse) records this layer's keys and values, or puts the
+    prefix's before them. attention_mask: transformers' (read by decoding only; a line pass's is the plan's)."""
+    if plan.prefix_kv is not None:
+        key, value = plan.prefix_kv.keys_values(module, key, value)
+    return ATTENTION[plan.backend](module, query, key, value, plan, attention_mask, **kwargs)
+
+
+def _sdpa(module, query, key, value, mask, **kwargs):
+    """transformers' SDPA over a bool mask (None: causal)."""
+    if mask is None:
         kwargs.setdefault("is_causal", True)
     else:
         kwargs["is_causal"] = False
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
-class PrefixKV:
-    """Per-layer keys and values of a cached prefix, travelling with a pass's mask (`prefix_kv`) to every attention
-    call, by the attention module's `layer_idx` (`core.prefix_reuse`). `record()`: the prefix's own pass, which keeps
-    each layer's key/value [B, Hkv, p, D] (with their autograd graph); `prepended()`: a pass over tokens after the
-    prefix, whose keys and values are the prefix's followed by its own. Through prefixdpo's attention rather than
-    a transformers cache, so gradient checkpointing (which drops a layer's cache) keeps it."""
-
-    def __init__(self, layers: dict | None = None, recording: bool = True):
-        self.layers = {} if layers is None else layers
-        self.recording = recording
-
-    def prepended(self) -> "PrefixKV":
-        """A store that puts this one's keys and values before a later pass's own (a snapshot: a layer recomputed
-        in backward may record again)."""
-        return PrefixKV(dict(self.layers), recording=False)
-
-    def keys_values(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = getattr(module, "layer_idx", None)
-        if layer is None:
-            raise ConfigError(f"prefix_reuse needs attention modules with a layer_idx; {type(module).__name__} has "
-                              "none: set prefix_reuse false")
-        if self.recording:
-            self.layers[layer] = (key, value)
-            return key, value
-        cached_key, cached_value = self.layers[layer]
-        return torch.cat([cached_key, key], dim=2), torch.cat([cached_value, value], dim=2)
+def _dense(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """The sdpa backend: the plan's dense bool [B, 1, L, Lk] mask."""
+    return _sdpa(module, query, key, value, plan.mask, **kwargs)
 
 
-def with_prefix_kv(mask, store: PrefixKV):
-    """`mask` (any backend's) carrying `store` to the attention calls of its pass."""
-    mask.prefix_kv = store
-    return mask
+def _flex(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """The flex backend: FlexAttention over the plan's BlockMask."""
+    return flex_attention_forward(module, query, key, value, plan.mask, **kwargs)
+
+
+def _refuse_features(kwargs: dict, backend: str, instead: str) -> None:
+    for feature in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(feature) is not None:
+            raise ValueError(f"{backend} attention does not support '{feature}'; use {instead}")
+
+
+def _segmented(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """The segmented backend: SDPA over the allowed blocks of the plan's `SegmentPlan`."""
+    _refuse_features(kwargs, "segmented", "the sdpa or flex backend")
+    dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
+    return segmented_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"), dropout=dropout), None
+
+
+def _varlen(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """The varlen backend: FlashAttention varlen over the plan's `VarlenPlan`."""
+    _refuse_features(kwargs, "varlen", "the flex backend")
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ConfigError(
+            f"attention='varlen' has no attention dropout (the model's is {kwargs['dropout']}); "
+            "use 'flex' or 'sdpa', or set the model's attention_dropout to 0"
+        )
+    return varlen.varlen_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling")), None
+
+
+def _shared_prompt(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
+    """A decoding step over prompts held once (`shared_prompt`): the cascade over the prompt and the rows' own
+    columns where it applies, else SDPA over the prompt's keys gathered per row before the own ones; transformers'
+    mask of the decoding rows."""
+    out, key, value = shared_prompt_attention(plan.shared_prompt, module, key, value, query, attention_mask, kwargs)
+    if out is not None:
+        return out, None
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+# The attention of each plan backend: (module, query, key, value, plan, attention_mask=transformers', **kwargs).
+ATTENTION = {"sdpa": _dense, "flex": _flex, "segmented": _segmented, "varlen": _varlen, SHARED_PROMPT: _shared_prompt}
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
@@ -162,29 +166,3 @@ def resolve_backend(backend: str, device: torch.device | str, *, needs_grad: boo
     if backend == "varlen":
         varlen.check_available(device)
     return backend
-
-
-def batch_attention_mask(lines, backend: str, *, segment_waste: float = 0.25, queries_from: int = 0,
-                         max_tokens_per_pass: int | None = None):
-    """The mask object of `lines` (a `data.lines.Lines`, or its [B, L, 2] spans) for a resolved backend: the dense
-    bool [B, 1, L, L] mask for sdpa, the BlockMask for flex, a plan-carrying tensor for segmented and varlen; one
-    rule, over the spans (`masks.py`). segment_waste: the padding a group of segments may add (`segments._group`).
-    queries_from: the pass's queries are the columns from there on, its keys the whole line (the first columns are a
-    cached prefix's, `core.prefix_reuse`). max_tokens_per_pass: with prefix reuse on, the budget of one pass: a batch
-    with a line over it gets its `reuse_plan.PrefixReuse` instead of a mask (its passes build their own masks)."""
-    spans = lines if isinstance(lines, torch.Tensor) else lines.spans
-    if max_tokens_per_pass is not None:
-        reuse = plan_reuse(spans, max_tokens_per_pass, backend, segment_waste)
-        if reuse is not None:
-            return reuse
-    if backend == "varlen":
-        return varlen.varlen_plan_mask(varlen.build_varlen_plan(spans, queries_from), spans.device)
-    if backend == "segmented":
-        plan = build_segment_plan(spans, waste=segment_waste, queries_from=queries_from)
-        return segment_plan_mask(plan, spans.device)
-    if backend == "flex":
-        return block_mask(spans, queries_from=queries_from)
-    if backend == "sdpa":
-        return dense_mask(spans, queries_from)
-    raise ValueError(f"backend {backend!r} is not resolved; call resolve_backend first")
-

@@ -75,9 +75,9 @@ OVER_BUDGET = OverBudget()
 @dataclass(frozen=True)
 class PrefixReuse:
     """What a pass over a batch runs instead of one forward: per line a `LinePlan`, or None (one forward for all
-    such lines); `backend`: the attention backend each pass's mask is built for. Stands where a batch's attention
-    mask stands (`backends.batch_attention_mask` builds it when a line is over the budget, and for every batch when
-    the run has several ranks). aligned: the run has several ranks, which agree on the shape of the passes before
+    such lines); `backend`: the attention backend each pass's plan is built for. The `reuse` of a batch's pass plan
+    (`pass_plan.plan_pass` builds it when a line is over the budget, and for every batch when the run has several
+    ranks). aligned: the run has several ranks, which agree on the shape of the passes before
     running them (`core.prefix_reuse`: every rank makes the same model calls, as FSDP2's and ZeRO-3's gathers need)."""
 
     plans: tuple[LinePlan | None, ...]

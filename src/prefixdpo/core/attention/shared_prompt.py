@@ -12,8 +12,9 @@ over [prompt | own] is the two parts' softmaxes merged by their log-sum-exps,
 and the prompt part runs as one matmul per unique prompt with its G rows' queries side by side ([U, Hkv, G x
 groups, D] against [U, Hkv, P, D]) instead of N matrix-vector products.
 
-The layer hands its rows' own keys to the model's attention carrying itself (`shared_prompt`), so prefixdpo's
-attention function (`backends._line_attention`) finds the prompt part; that part is masked by the prompts' own
+Each decoding step runs with a plan naming the cache (`pass_plan.decoding_plan`, keyword `pass_plan`), so prefixdpo's
+attention function (`backends.ATTENTION`) finds the layer of the attention module (its `layer_idx`) and, when the keys
+it got are the ones that layer handed out, the prompt part; that part is masked by the prompts' own
 padding (the prefill's mask, fixed for the whole generation), the rows' own part by transformers' mask. Anything
 the merge does not cover (more than one query column, soft-capping, sinks, a non-bool mask, prompts of unequal row
 counts) runs the ordinary attention over the prompt's keys gathered per row in front of the own ones: the same
@@ -66,11 +67,10 @@ class SharedPromptLayer(DynamicLayer):
                                "false for this model")
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Append the new columns [N, Hkv, q, D]; return the rows' own columns, carrying this layer."""
+        """Append the new columns [N, Hkv, q, D]; return the rows' own columns (`keys` itself: the attention knows
+        them by identity, `shared_prompt_attention`)."""
         self.check_read()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
-        keys = keys.view(keys.shape)  # a new tensor object: the carrier attribute makes no cycle with the layer
-        keys.shared_prompt = self
         self.unread = True
         return keys, values
 
@@ -126,10 +126,17 @@ def _partial_attention(q, k, v, mask, scaling: float) -> tuple[torch.Tensor, tor
     return torch.matmul(weights.to(v.dtype), v).to(scores.dtype), lse
 
 
-def shared_prompt_attention(key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, mask, kwargs):
-    """(output or None, key, value) for an attention call whose key carries a `SharedPromptLayer`: the cascade's
-    output [N, 1, H, D], or None with the whole rows' keys and values for the ordinary attention to run."""
-    layer = key.shared_prompt
+def shared_prompt_attention(cache, module, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, mask,
+                            kwargs):
+    """(output or None, key, value) of an attention call of a decoding step over `cache` (a DynamicCache): where
+    `key` is what the module's `SharedPromptLayer` (by `layer_idx`) handed out, the cascade's output [N, 1, H, D], or
+    None with the whole rows' keys and values for the ordinary attention to run; else (None, key, value) unchanged
+    (the layer, left unread, stops the next step: `check_read`)."""
+    index = getattr(module, "layer_idx", None)
+    layers = cache.layers
+    layer = layers[index] if index is not None and 0 <= index < len(layers) else None
+    if not isinstance(layer, SharedPromptLayer) or key is not layer.keys:
+        return None, key, value
     out = layer.attend(query, key, value, mask, kwargs)
     if out is not None:
         return out, key, value

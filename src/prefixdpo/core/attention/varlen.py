@@ -93,13 +93,6 @@ def _packed_plan(segs: list[tuple[list[int], list[int]]], B: int, L: int, device
     )
 
 
-def varlen_plan_mask(plan: VarlenPlan, device) -> torch.Tensor:
-    """A zero-size 4D tensor carrying the plan as `varlen_plan` (see `backends.segment_plan_mask` for why)."""
-    carrier = torch.empty(plan.batch_size, 1, 0, 0, dtype=torch.bool, device=device)
-    carrier.varlen_plan = plan
-    return carrier
-
-
 def check_available(device: torch.device) -> None:
     """Raise a one-line ConfigError unless `attention='varlen'` can run on `device`."""
     if device.type != "cuda":
