@@ -18,6 +18,8 @@ by up to ~150, beyond the rule's K = 128.
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import random
 from dataclasses import dataclass
@@ -26,7 +28,8 @@ import pytest
 import torch
 
 from conftest import random_examples
-from prefixdpo.core.attention.backends import ATTENTION_NAME, batch_attention_mask
+from prefixdpo.core.attention.backends import ATTENTION_NAME
+from prefixdpo.core.attention.pass_plan import plan_pass
 from prefixdpo.core.model_checks import base_model
 from prefixdpo.core.recurrent import SUPPORTED_MIXERS, prepare_recurrent, supported_mixers
 from prefixdpo.core.verify import dpo_loss, gradients, separate_pass_logps, verify_batch
@@ -88,9 +91,10 @@ def line_pass(model, batch, plan: bool = True) -> torch.Tensor:
     """Logits [B, L, V] of one pass over the batch's lines: prefixdpo's attention with the lines' 4D mask, the
     recurrent mixers with the lines' spans (plan=False: without them, the stock mixers straight along each line)."""
     base_model(model).set_attn_implementation(ATTENTION_NAME)
-    extra = {"pass_plan": LinePlan(batch.spans)} if plan else {}
+    pass_plan = plan_pass(batch, "sdpa")
+    extra = {"pass_plan": pass_plan} if plan else {}
     return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                 attention_mask=batch_attention_mask(batch, "sdpa"), **extra).logits
+                 attention_mask=pass_plan.model_mask(), **extra).logits
 
 
 def differences(model, examples, **layout):
@@ -139,6 +143,24 @@ def test_every_family_has_its_mixers_wrapped_and_only_those():
     assert prepare_recurrent(model) == supported_mixers(model)  # idempotent: a second call wraps nothing again
     assert [m.forward for m in model.modules() if getattr(m, "_prefixdpo_recurrent", False)] == wrapped
     assert set(SUPPORTED_MIXERS.values()) == set(FAMILIES + FLOAT64_FAMILIES)
+
+
+def test_a_copy_of_a_wrapped_model_runs_its_own_mixers():
+    """A deepcopy of a prepared model (TRL's and prefixdpo's reference copies) runs its own weights, with and without
+    a plan: the wrapper is bound to its mixer, not a closure over the original (which made a halved copy run the
+    original's convolutions: 0.75 off in the logits)."""
+    model = tiny_hybrid_lm("lfm2")
+    fresh = copy.deepcopy(model)
+    prepare_recurrent(model)
+    wrapped = copy.deepcopy(model)
+    with torch.no_grad():
+        for a, b in zip(wrapped.parameters(), fresh.parameters()):
+            a.mul_(0.5), b.mul_(0.5)
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
+    spans = torch.stack([torch.arange(10), torch.full((10,), 10)], -1)[None]
+    expected = fresh(input_ids=ids, use_cache=False).logits
+    assert torch.equal(wrapped(input_ids=ids, use_cache=False).logits, expected)
+    assert torch.equal(wrapped(input_ids=ids, use_cache=False, pass_plan=LinePlan(spans)).logits, expected)
 
 
 def test_a_mixer_carries_state_and_gradient_exactly_in_float64():

@@ -17,6 +17,7 @@ layers None anyway.
 
 from __future__ import annotations
 
+import types
 from dataclasses import replace
 
 import torch
@@ -89,25 +90,31 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
     return flat_out[calls_plan.index].view(B, L, -1)
 
 
+def _recurrent_forward(self, hidden_states, *args, **kwargs):
+    """The wrapped forward of a mixer `self` (bound to it by `install`): its stock forward without a plan, else run
+    by run (`run_forward`)."""
+    plan = kwargs.pop("pass_plan", None)
+    if plan is None:
+        return self._prefixdpo_stock_forward(hidden_states, *args, **kwargs)
+    cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("cache_params", None)
+    if args or cache is not None:
+        raise NotImplementedError(
+            f"{type(self).__name__} with a pass plan runs only whole lines from the zero state (no cache, "
+            "keyword arguments only)")
+    kwargs.pop("attention_mask", None)
+    return run_forward(self._prefixdpo_stock_forward, self.layer_idx, hidden_states, plan, kwargs)
+
+
 def install(module: torch.nn.Module) -> bool:
-    """Wrap `module`'s forward (once) so a call with `pass_plan=` runs run by run; True if newly wrapped."""
+    """Wrap `module`'s forward (once) so a call with `pass_plan=` runs run by run; True if newly wrapped.
+
+    Both the stock forward and the wrapper are kept as methods bound to `module` (no closure over it): a deepcopy of
+    the model (TRL's and prefixdpo's reference copies) rebinds them to the copy's own mixer, so the copy runs its own
+    weights (a closure would keep calling the original's)."""
     if getattr(module, "_prefixdpo_recurrent", False):
         return False
-    original = module.forward  # the bound stock forward, with its decorators (kwarg renames, accelerate hooks)
-    layer_idx = module.layer_idx
-
-    def forward(hidden_states, *args, **kwargs):
-        plan = kwargs.pop("pass_plan", None)
-        if plan is None:
-            return original(hidden_states, *args, **kwargs)
-        cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("cache_params", None)
-        if args or cache is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} with a pass plan runs only whole lines from the zero state (no cache, "
-                "keyword arguments only)")
-        kwargs.pop("attention_mask", None)
-        return run_forward(original, layer_idx, hidden_states, plan, kwargs)
-
-    module.forward = forward
+    # the bound stock forward, with its decorators (kwarg renames) or an instance hook's wrapper (accelerate)
+    module._prefixdpo_stock_forward = module.forward
+    module.forward = types.MethodType(_recurrent_forward, module)
     module._prefixdpo_recurrent = True
     return True
