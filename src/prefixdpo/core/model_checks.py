@@ -12,8 +12,10 @@ import torch
 
 from prefixdpo.core.attention.backends import ATTENTION_NAME
 from prefixdpo.core.logprobs import UnsupportedModelError
+from prefixdpo.core.recurrent import SUPPORTED_MIXERS, prepare_recurrent, supported_mixers, unsupported_mixers
 from prefixdpo.core.stock_attention import STOCK, on_stock_route, use_stock_attention
 from prefixdpo.data.batch import Batch
+from prefixdpo.errors import ConfigError
 
 _ALIBI_MODEL_TYPES = {"bloom", "mpt", "falcon", "baichuan"}
 
@@ -72,23 +74,46 @@ _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _PER_TOKEN_LAYER_TYPES = {"mlp", "moe"}
 
 
+def _decoder_layers(base) -> list | None:
+    """The decoder's layers in order (`model.layers` of a transformers decoder), or None where it has none."""
+    try:
+        layers = base.get_decoder().layers
+    except AttributeError:
+        return None
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else None
+
+
+def _runs_its_states(module) -> bool:
+    """Whether `module` holds a recurrent mixer `core.recurrent` runs from a parent's state."""
+    return any(type(m).__name__ in SUPPORTED_MIXERS for m in module.modules())
+
+
 def unshareable_layers(model) -> list[str]:
     """The layer types of `model` that prefixdpo cannot yet run on prefix-shared lines, sorted (empty: none).
 
-    The one list of them: every layer type a config names (`layer_types`, or `layers_block_type` as NemotronH,
-    Granite 4, Bamba, Falcon-H1) that is neither attention nor per-token, e.g. "linear_attention" (Gated DeltaNet,
-    Kimi Delta Attention, and Mamba2 as transformers 5 names it), LFM2's "conv", Falcon-H1's "hybrid": each carries a
-    convolution window or a recurrent state along the sequence, which runs from one response straight into the next
-    on a shared line whatever the attention mask. A config that names no layer types gives such a layer away by a
-    sequence convolution (`nn.Conv1d`): the class names of the modules that hold one.
+    The one list of them: a recurrent mixer `core.recurrent` refuses by name (`unsupported_mixers`), and every layer
+    type a config names (`layer_types`, or `layers_block_type` as NemotronH, Granite 4, Bamba, Falcon-H1) that is
+    neither attention nor per-token, e.g. "linear_attention" (Gated DeltaNet, Kimi Delta Attention, and Mamba2 as
+    transformers 5 names it), LFM2's "conv", Falcon-H1's "hybrid", unless that layer holds a mixer `core.recurrent`
+    runs from its parent span's state (`SUPPORTED_MIXERS`): any other carries a convolution window or a recurrent state
+    from one response straight into the next on a shared line, whatever the attention mask. A config that names no
+    layer types gives such a layer away by a sequence convolution (`nn.Conv1d`): the class names of the modules that
+    hold one (a supported mixer's excepted).
     """
     base = base_model(model)
+    refused = unsupported_mixers(base)
+    if refused:
+        return sorted(refused)
     cfg = text_config(base)
     named = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
     if named:
-        return sorted(set(named) - _ATTENTION_LAYER_TYPES - _PER_TOKEN_LAYER_TYPES)
+        layers = _decoder_layers(base)
+        return sorted({kind for i, kind in enumerate(named)
+                       if kind not in _ATTENTION_LAYER_TYPES | _PER_TOKEN_LAYER_TYPES
+                       and not (layers is not None and i < len(layers) and _runs_its_states(layers[i]))})
     return sorted({type(module).__name__ for module in base.modules()
-                   if any(isinstance(child, torch.nn.Conv1d) for child in module.children())})
+                   if type(module).__name__ not in SUPPORTED_MIXERS
+                   and any(isinstance(child, torch.nn.Conv1d) for child in module.children())})
 
 
 SHARING_OFF = "--prefix_sharing false"  # the option that trains such a model anyway, as TRL does
@@ -111,7 +136,9 @@ def refusal(model, backend: str) -> str | None:
     layers = unshareable_layers(base)
     if layers:
         return unshareable_message(name, layers)
-    if not getattr(base, "_supports_attention_backend", False):
+    # a hybrid whose recurrent mixers core.recurrent runs: its attention layers dispatch through AttentionInterface
+    # (tests/test_recurrent_exact.py runs every such family exact on prefixdpo's attention), whatever its flag says
+    if not getattr(base, "_supports_attention_backend", False) and not supported_mixers(base):
         return (f"{name} does not dispatch attention through transformers' AttentionInterface; prefixdpo cannot give "
                 f"it the prefix-sharing mask (train it with {SHARING_OFF})")
     if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
@@ -120,7 +147,8 @@ def refusal(model, backend: str) -> str | None:
     if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False):
         return f"{name} does not support SDPA attention (attention={backend}); or train it with {SHARING_OFF}"
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
-        return f"{name} does not support FlexAttention (attention=flex); or train it with {SHARING_OFF}"
+        return (f"{name} does not support FlexAttention (attention=flex): use --attention sdpa, or train it with "
+                f"{SHARING_OFF}")
     if getattr(cfg, "model_type", "") in _ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False):
         return f"{name} uses ALiBi position bias, which ignores position ids; or train it with {SHARING_OFF}"
     return None
@@ -135,6 +163,22 @@ def check_runs_unshared(model) -> None:
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
     if "position_ids" not in inspect.signature(base.forward).parameters:
         raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
+
+
+def check_recurrent_options(model, *, prefix_reuse: bool, sequence_parallel_size: int) -> None:
+    """One-line ConfigErrors for the options a hybrid's recurrent layers (`core.recurrent`) cannot run with on prefix-
+    shared lines: prefix reuse (its passes would need the prefix's final states, not only its keys and values) and
+    sequence parallelism (each rank holds some columns of a line; a recurrence runs along all of them)."""
+    base = base_model(model)
+    if not supported_mixers(base):
+        return
+    name = type(base).__name__
+    if prefix_reuse:
+        raise ConfigError(f"prefix_reuse=true does not carry {name}'s recurrent states from a prefix's pass into its "
+                          "chunks yet: set --prefix_reuse false")
+    if sequence_parallel_size > 1:
+        raise ConfigError(f"sequence_parallel_size > 1 cannot run {name}'s recurrent layers: a recurrence runs along "
+                          "the whole line, which its ranks hold in pieces: set --sequence_parallel_size 1")
 
 
 def check_model_supported(model, backend: str) -> None:
@@ -159,6 +203,7 @@ def prepare_model(model, backend: str = "sdpa", prefix_sharing: bool = True) -> 
     use_stock_attention(base, on=False)
     if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
         base.set_attn_implementation(ATTENTION_NAME)
+    prepare_recurrent(base)  # a hybrid's recurrent mixers run each span from its parent's state (idempotent)
     return backend
 
 

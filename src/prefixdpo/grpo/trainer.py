@@ -53,7 +53,9 @@ from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.data.lines import padded
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
-from prefixdpo.core.model_checks import base_model, prepare_model, sliding_window_of, text_config
+from prefixdpo.core.model_checks import (
+    base_model, check_recurrent_options, prepare_model, sliding_window_of, text_config,
+)
 from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.options import resolve_tokens_per_pass
 from prefixdpo.training.survival import SurvivingRun
@@ -119,6 +121,7 @@ class PrefixSharedLogps:
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)
+        check_recurrent_options(self.model, prefix_reuse=settings.prefix_reuse, sequence_parallel_size=size)
         if settings.prefix_reuse:
             self.tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 

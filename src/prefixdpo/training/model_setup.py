@@ -9,7 +9,9 @@ import logging
 import torch
 
 from prefixdpo.errors import ConfigError, UserError
-from prefixdpo.core.model_checks import base_model, prepare_model, refusal, unshareable_layers, unwrap
+from prefixdpo.core.model_checks import (
+    base_model, check_recurrent_options, prepare_model, refusal, unshareable_layers, unwrap,
+)
 from prefixdpo.core.stock_attention import STOCK, stock_implementation
 
 
@@ -69,6 +71,9 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
     run_backend = prepare_model(model, backend, prefix_sharing=args.prefix_sharing)
     if run_backend == STOCK:
         check_stock_route(model, args, backend)
+    else:
+        check_recurrent_options(model, prefix_reuse=getattr(args, "prefix_reuse", False),
+                                sequence_parallel_size=getattr(args, "sequence_parallel_size", 1))
     return model, tokenizer, run_backend
 
 
