@@ -97,23 +97,19 @@ def error_line(capsys) -> str:
 
 # ---- which layers prefix sharing cannot run yet ------------------------------------------------------------------
 
-UNSHAREABLE = {"qwen3_5_text": ["linear_attention"], "qwen3_5_moe_text": ["linear_attention"],
-               "qwen3_next": ["linear_attention"], "lfm2": ["conv"], "lfm2_moe": ["conv"],
-               "lfm3": ["conv"], "nemotron_h": ["linear_attention"], "granitemoehybrid": ["linear_attention"],
-               "falcon_h1": ["hybrid"], "bamba": ["linear_attention"], "kimi_linear": ["linear_attention"],
-               "gpt_oss": []}
+UNSHAREABLE = {"jamba": ["JambaMambaMixer"]}  # every other family's recurrent layers run on shared lines (core.recurrent)
 
 
 def test_unshareable_layers_names_every_state_carrying_layer_type():
     from conftest import tiny_model
 
-    assert UNSHAREABLE.keys() == HYBRID_FAMILIES.keys()
-    assert {family: unshareable_layers(_hybrid(family)) for family in HYBRID_FAMILIES} == UNSHAREABLE
+    assert {family: unshareable_layers(_hybrid(family)) for family in HYBRID_FAMILIES} == {
+        family: UNSHAREABLE.get(family, []) for family in HYBRID_FAMILIES}
     assert unshareable_layers(tiny_model("llama")) == []
-    # a config that names no layer types: the modules holding a sequence convolution give the layers away
+    # a config that names no layer types: a supported mixer's convolution is no unshareable layer
     lfm2 = hybrid("lfm2")
     lfm2.config.layer_types = None
-    assert unshareable_layers(lfm2) == ["Lfm2ShortConv"]
+    assert unshareable_layers(lfm2) == []
 
 
 # ---- the command line --------------------------------------------------------------------------------------------
@@ -127,10 +123,18 @@ def test_train_runs_every_family_with_prefix_sharing_off(family, saved, tmp_path
     caplog.set_level(logging.INFO, logger="prefixdpo.training.model_setup")
     assert run_cli("train", saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
     name = type(_hybrid(family)).__name__
-    own = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss has no SDPA (its sinks): TRL runs it eager too
-    assert f"prefix sharing off: {name} runs its own attention ({own}) on padded rows" in caplog.text
+    # only the families prefixdpo's attention cannot run take their own (gpt-oss has no SDPA, its sinks: TRL runs it
+    # eager too); the others run prefixdpo's attention and recurrent runs on unshared rows
+    own = {"gpt_oss": "eager", "jamba": "sdpa"}.get(family)
+    stock_line = f"prefix sharing off: {name} runs its own attention ({own}) on padded rows"
+    assert (stock_line in caplog.text) == (own is not None)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a stock model, loadable anywhere
-    assert type(exported).__name__ == name and exported.config._attn_implementation == own
+    assert type(exported).__name__ == name and exported.config._attn_implementation == (own or "sdpa")
+
+
+@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in UNSHAREABLE and f != "gpt_oss"])
+def test_train_runs_every_recurrent_family_with_prefix_sharing_on(family, saved, tmp_path):
+    assert run_cli("train", saved(family), tmp_path / "out", "--packing", "true") == 0
 
 
 def test_precomputed_reference_runs_unshared_rows(saved, tmp_path):
@@ -164,9 +168,9 @@ def test_trls_moe_loss_crash_on_granite_is_one_line_and_coef_0_runs(saved, tmp_p
 
 @pytest.mark.parametrize("command", ["train", "grpo"])
 def test_prefix_sharing_on_refuses_a_recurrent_model_in_one_line(command, saved, tmp_path, capsys):
-    assert run_cli(command, saved("qwen3_5_text"), tmp_path / "out") == 2
+    assert run_cli(command, saved("jamba"), tmp_path / "out") == 2
     assert error_line(capsys) == (
-        f"prefixdpo {command}: error: Qwen3_5ForCausalLM has layers of type ['linear_attention'], which carry a "
+        f"prefixdpo {command}: error: JambaForCausalLM has layers of type ['JambaMambaMixer'], which carry a "
         "convolution or recurrent state along the sequence: prefixdpo cannot reproduce them on prefix-shared lines "
         "yet; train it without prefix sharing (--prefix_sharing false: TRL's padded rows on the model's own "
         "attention)")
@@ -180,27 +184,27 @@ def test_prefix_sharing_on_refuses_attention_sinks_naming_the_way_out(saved, tmp
 
 
 def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_line(saved, tmp_path, capsys):
-    """A Llama policy runs prefixdpo's attention with prefix sharing off; a Qwen3.5 reference cannot run its passes
+    """A Llama policy runs prefixdpo's attention with prefix sharing off; a Jamba reference cannot run its passes
     (the other way round, a hybrid policy's reference runs its own attention too: it trains)."""
     from conftest import tiny_model
 
     llama = tmp_path / "llama"
     tiny_model("llama", vocab_size=len(tokenizer()), pad_token_id=tokenizer().pad_token_id).save_pretrained(llama)
     tokenizer().save_pretrained(llama)
-    (tmp_path / "pairs.jsonl").write_text((saved("qwen3_5_text").parent / "pairs.jsonl").read_text())
+    (tmp_path / "pairs.jsonl").write_text((saved("jamba").parent / "pairs.jsonl").read_text())
     off = ("--prefix_sharing", "false")
-    assert run_cli("train", llama, tmp_path / "a", *off, "--ref_model_name_or_path", str(saved("qwen3_5_text"))) == 2
+    assert run_cli("train", llama, tmp_path / "a", *off, "--ref_model_name_or_path", str(saved("jamba"))) == 2
     assert error_line(capsys) == (
-        "prefixdpo train: error: ref_model Qwen3_5ForCausalLM cannot run the policy's passes, which run prefixdpo's "
-        "attention (attention=sdpa): its layers of type ['linear_attention']; use a reference of the policy's "
+        "prefixdpo train: error: ref_model JambaForCausalLM cannot run the policy's passes, which run prefixdpo's "
+        "attention (attention=sdpa): its layers of type ['JambaMambaMixer']; use a reference of the policy's "
         "architecture, or none (a frozen copy of the policy)")
-    assert run_cli("train", saved("qwen3_5_text"), tmp_path / "b", *off, "--ref_model_name_or_path", str(llama)) == 0
+    assert run_cli("train", saved("jamba"), tmp_path / "b", *off, "--ref_model_name_or_path", str(llama)) == 0
 
 
 def test_packing_is_refused_for_a_model_on_its_own_attention(saved, tmp_path, capsys):
-    assert run_cli("train", saved("lfm2"), tmp_path / "out", "--prefix_sharing", "false", "--packing", "true") == 2
+    assert run_cli("train", saved("jamba"), tmp_path / "out", "--prefix_sharing", "false", "--packing", "true") == 2
     assert error_line(capsys) == (
-        "prefixdpo train: error: packing=true cannot run Lfm2ForCausalLM with prefix sharing off: its own attention "
+        "prefixdpo train: error: packing=true cannot run JambaForCausalLM with prefix sharing off: its own attention "
         "and layers would run one packed sequence into the next (prefixdpo's attention, which keeps them apart, "
         "cannot run it); set --packing false")
 

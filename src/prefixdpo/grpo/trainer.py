@@ -67,6 +67,7 @@ from prefixdpo.grpo.reward_checks import GuardedRewards
 from prefixdpo.grpo.run_notes import SaidOnce, SharingCounts
 from prefixdpo.grpo.prompt_fit import check_prompts_fit
 from prefixdpo.grpo.settings import GroupSettings, LayoutKey
+from prefixdpo.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
