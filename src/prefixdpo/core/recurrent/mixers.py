@@ -17,7 +17,6 @@ layers None anyway.
 
 from __future__ import annotations
 
-import types
 from dataclasses import replace
 
 import torch
@@ -90,31 +89,61 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
     return flat_out[calls_plan.index].view(B, L, -1)
 
 
+def _stock_forward(module):
+    """The mixer's own forward, bound to it: an instance forward it had before `install` (an accelerate hook's), else
+    its stock class's (with that class's decorators: kwarg renames, accelerate's forced hooks)."""
+    own = module.__dict__.get("_prefixdpo_stock_forward")
+    return own if own is not None else super(type(module), module).forward
+
+
 def _recurrent_forward(self, hidden_states, *args, **kwargs):
-    """The wrapped forward of a mixer `self` (bound to it by `install`): its stock forward without a plan, else run
-    by run (`run_forward`)."""
+    """The forward of a wrapped mixer `self`: its stock forward without a plan, else run by run (`run_forward`)."""
     plan = kwargs.pop("pass_plan", None)
     if plan is None:
-        return self._prefixdpo_stock_forward(hidden_states, *args, **kwargs)
+        return _stock_forward(self)(hidden_states, *args, **kwargs)
     cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("cache_params", None)
     if args or cache is not None:
         raise NotImplementedError(
             f"{type(self).__name__} with a pass plan runs only whole lines from the zero state (no cache, "
             "keyword arguments only)")
     kwargs.pop("attention_mask", None)
-    return run_forward(self._prefixdpo_stock_forward, self.layer_idx, hidden_states, plan, kwargs)
+    return run_forward(_stock_forward(self), self.layer_idx, hidden_states, plan, kwargs)
+
+
+def _never_kernelize(module) -> bool:
+    """`kernels`' condition for replacing a layer's forward with a hub kernel's: never for a wrapped mixer."""
+    return False
+
+
+_WRAPPED: dict[type, type] = {}  # stock mixer class -> its wrapped subclass
+
+
+def _wrapped_class(cls: type) -> type:
+    """The subclass of mixer class `cls` whose forward is `_recurrent_forward` (made once; named as `cls`, so
+    `SUPPORTED_MIXERS` and messages read the same, and importable under its qualified name, so a pickled model loads).
+
+    A subclass rather than an instance attribute: transformers re-kernelizes a model whose `use_kernels` is on at every
+    `train()`/`eval()` (hub `kernels`' `kernelize`, which resets each kernel layer's instance forward; measured: a GRPO
+    policy's Gated DeltaNet lost its wrapper there and ran its stock forward along the shared line), and a deepcopy
+    (a reference copy) keeps the class. Its `kernel_condition` keeps `kernelize` off it: a hub kernel's forward would
+    not take a parent's state."""
+    sub = _WRAPPED.get(cls)
+    if sub is None:
+        qualname = f"Recurrent{cls.__name__}"
+        sub = type(cls.__name__, (cls,), {"forward": _recurrent_forward, "kernel_condition": _never_kernelize,
+                                          "__module__": __name__, "__qualname__": qualname})
+        globals()[qualname] = sub
+        _WRAPPED[cls] = sub
+    return sub
 
 
 def install(module: torch.nn.Module) -> bool:
-    """Wrap `module`'s forward (once) so a call with `pass_plan=` runs run by run; True if newly wrapped.
-
-    Both the stock forward and the wrapper are kept as methods bound to `module` (no closure over it): a deepcopy of
-    the model (TRL's and prefixdpo's reference copies) rebinds them to the copy's own mixer, so the copy runs its own
-    weights (a closure would keep calling the original's)."""
-    if getattr(module, "_prefixdpo_recurrent", False):
+    """Wrap `module` (once) so a call with `pass_plan=` runs run by run; True if newly wrapped (`_wrapped_class`)."""
+    if type(module) in _WRAPPED.values():
         return False
-    # the bound stock forward, with its decorators (kwarg renames) or an instance hook's wrapper (accelerate)
-    module._prefixdpo_stock_forward = module.forward
-    module.forward = types.MethodType(_recurrent_forward, module)
+    own = module.__dict__.pop("forward", None)  # an instance forward (a hook's) would shadow the class's: keep it
+    if own is not None:
+        module._prefixdpo_stock_forward = own
+    module.__class__ = _wrapped_class(type(module))
     module._prefixdpo_recurrent = True
     return True
