@@ -246,3 +246,18 @@ def test_the_prefix_reuse_section_compares_reused_passes_with_one_row(monkeypatc
     run = prefix_reuse._run  # each pass of a reused line
     monkeypatch.setattr(prefix_reuse, "_run", lambda *args: run(*args) + 1e-2)
     assert reuse_section.reuse_check("llama", "segmented", "cpu").status == "FAIL"
+
+
+def test_the_hybrid_section_checks_recurrent_layers_on_shared_lines(monkeypatch):
+    """gpu-check's hybrid section, run on CPU here (one family, fp32, sdpa): verify's cases on spans longer than the
+    layers' chunks, ok; a family this transformers lacks is n/a, not an error."""
+    from prefixdpo_tools.gpu_check import hybrid
+
+    monkeypatch.setattr(hybrid, "FAMILIES", ("lfm2", "no_such_family"))
+    monkeypatch.setattr(hybrid, "DTYPES", ("float32",))
+    lines = []
+    results = hybrid.section(["sdpa"], "cpu", log=lines.append)
+    assert lines[0].startswith("hybrid: kernels ")
+    assert [(r.name, r.status) for r in results] == [("lfm2 float32 sdpa", "ok"),
+                                                     ("no_such_family float32 sdpa", "n/a")]
+    assert results[0].numbers["logp"] < 1e-5 and results[0].numbers["grad"] < 1e-4

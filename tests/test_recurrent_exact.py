@@ -256,3 +256,17 @@ def test_transformers_own_cache_writes_in_place_where_run_states_do_not():
     (mixer(first).sum() + mixer(second)[:, p:].sum()).backward()
     expected = torch.cat([first.grad[:, :p] + second.grad[:, :p], first.grad[:, p:], second.grad[:, p:]], 1)
     assert_small((x.grad - expected).abs().max().item(), expected.abs().max().item(), k=K, what="input gradient")
+
+
+def test_an_older_transformers_refuses_the_mixers_it_hands_states_otherwise(monkeypatch):
+    """transformers 5.17's mixers read their states through another cache API (measured: 6e-3 off on LFM2, CPU and
+    H200): there every supported mixer is refused by name, so prefix sharing says so in one line."""
+    import transformers
+
+    from prefixdpo.core.model_checks import refusal, unshareable_layers
+
+    model = hybrid("lfm2")
+    assert unshareable_layers(model) == []
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert unshareable_layers(model) == ["Lfm2ShortConv"]
+    assert "--prefix_sharing false" in refusal(model, "sdpa")

@@ -15,7 +15,8 @@ import torch
 
 from prefixdpo.core.attention.pass_plan import PassPlan
 from prefixdpo.core.logprobs import UnsupportedModelError
-from prefixdpo.core.model_checks import unwrap
+from prefixdpo.core.model_checks import base_model, unwrap
+from prefixdpo.core.recurrent import runs_recurrent
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 
 
@@ -62,7 +63,8 @@ def model_pass(model, inner_forward, input_ids: torch.Tensor, position_ids: torc
     handle = unwrap(model).get_decoder().register_forward_hook(grab)
     try:
         out = inner_forward(use_cache=False, input_ids=input_ids, position_ids=position_ids,
-                            attention_mask=plan.model_mask(), pass_plan=plan, **model_inputs)
+                            attention_mask=plan.model_mask(tensor_only=runs_recurrent(base_model(model))),
+                            pass_plan=plan, **model_inputs)
     finally:
         handle.remove()
     if len(captured) != 1:

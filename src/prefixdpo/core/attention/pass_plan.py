@@ -62,10 +62,12 @@ class PassPlan:
     def batch_size(self) -> int:
         return int(self.spans.shape[0])
 
-    def model_mask(self):
+    def model_mask(self, tensor_only: bool = False):
         """The `attention_mask` the model gets (module docstring): the dense bool [B, 1, L, Lk] mask or the BlockMask
-        where the backend's mask is one, else a zero-size bool [B, 1, 0, 0]."""
-        if self.backend in MASK_BACKENDS:
+        where the backend's mask is one, else a zero-size bool [B, 1, 0, 0]. tensor_only: the stand-in for a BlockMask
+        too, for a model whose own mask code reads the mask as a tensor (a hybrid's recurrent-layer mask reads its
+        `.ndim`: 'BlockMask' object has no attribute 'ndim'); prefixdpo's attention reads the plan's mask anyway."""
+        if self.backend in MASK_BACKENDS and not (tensor_only and self.backend == "flex"):
             return self.mask
         return torch.zeros(self.batch_size, 1, 0, 0, dtype=torch.bool, device=self.spans.device)
 
