@@ -331,3 +331,22 @@ def test_multi_response_profile_standard_runs_two_sequences_per_pair_and_matches
     assert shared_flop_count(tiny, ex).body == 2 * 288 * 8
     assert shared_flop_count(tiny, ex).attention == 2 * 4 * 2 * 2 * 27
     assert ideal_speedup(tiny, w.examples) > ideal_speedup(tiny, [standard_examples(e)[0] for e in w.examples])
+
+
+def test_the_bench_model_can_be_a_hybrid_of_its_size():
+    """`bench --architecture` builds each listed hybrid at the bench shape (its layer pattern tiled to the shape's
+    layers): the FLOP model then counts the pair term on its attention layers only."""
+    from prefixdpo.commands.bench import BENCH_ARCHITECTURES
+    from prefixdpo_tools.bench.flops import ModelShape
+    from prefixdpo_tools.bench.model import DEFAULT_SHAPE, QUICK_SHAPE
+    from prefixdpo_tools.bench.pair_report import architecture_model
+    from prefixdpo_tools.hybrid_models import HYBRID_FAMILIES
+
+    assert set(BENCH_ARCHITECTURES) <= set(HYBRID_FAMILIES)
+    assert architecture_model(QUICK_SHAPE, "llama") is QUICK_SHAPE
+    for shape in (QUICK_SHAPE, DEFAULT_SHAPE):
+        for family in BENCH_ARCHITECTURES:
+            config = architecture_model(shape, family)
+            counted = ModelShape.from_config(config)
+            assert (counted.hidden, counted.layers, counted.vocab) == (shape.hidden, shape.layers, shape.vocab)
+            assert 0 < counted.pair_layers < shape.layers and counted.recurrent_flops_per_token > 0, family

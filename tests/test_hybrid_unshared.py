@@ -226,23 +226,30 @@ def dpo_step(trainer_cls, config_cls, model, records, options: dict):
     return step_logs(trainer), start, trained
 
 
-# gpt-oss: eager attention with sinks, and a MoE load-balancing loss (coefficient 0.001) in the step's loss
-@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss"])
-def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
+def trl_and_ours(family: str, tmp_path, steps: int, **ours_options):
+    """`steps` SGD steps of TRL 1.16's DPOTrainer and of ours (with `ours_options`) on 4 x `steps` parity records
+    from the same tiny `family` model: (theirs, ours), each `dpo_step`'s (logs, start weights, trained weights)."""
     import datasets
     from trl import DPOConfig, DPOTrainer
 
     from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
 
     datasets.disable_progress_bars()
-    records = parity_records(4)
-    options = {**shared_options(tmp_path, "run", 4, 1), "max_steps": 1, "optim": "sgd", "learning_rate": LR}
+    records = parity_records(4 * steps)
+    options = {**shared_options(tmp_path, "run", 4, 1), "max_steps": steps, "optim": "sgd", "learning_rate": LR}
     trl_options = dict(padding_free=False, pad_to_multiple_of=None, use_weighting=False, ld_alpha=None,
                        f_divergence_type="reverse_kl", sync_ref_model=False)
     theirs = dpo_step(DPOTrainer, lambda **o: DPOConfig(**trl_options, **o), hybrid(family),
                       datasets.Dataset.from_list(records), {**options, "output_dir": str(tmp_path / "trl")})
-    ours = dpo_step(PrefixDPOTrainer, lambda **o: PrefixDPOConfig(prefix_sharing=False, **o), hybrid(family),
-                    records, {**options, "output_dir": str(tmp_path / "ours")})
+    ours = dpo_step(PrefixDPOTrainer, lambda **o: PrefixDPOConfig(**ours_options, **o), hybrid(family), records,
+                    {**options, "output_dir": str(tmp_path / "ours")})
+    return theirs, ours
+
+
+# gpt-oss: eager attention with sinks, and a MoE load-balancing loss (coefficient 0.001) in the step's loss
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss"])
+def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
+    theirs, ours = trl_and_ours(family, tmp_path, steps=1, prefix_sharing=False)
     assert len(theirs[0]) == len(ours[0]) == 1
     (t,), (o,) = theirs[0], ours[0]
     logged = assert_same_dpo_log(t, o, 0.1, DPO_KEYS, k=K, what=family)  # TRL's DPO step tolerances, as
@@ -261,21 +268,9 @@ def test_three_dpo_steps_with_prefix_sharing_equal_trl_dpo_trainer(family, tmp_p
     records into other steps): the recurrent layers run each response from its prompt's final state
     (core.recurrent); 3 sequential SGD steps equal TRL 1.16's DPOTrainer on padded rows, step for step (logged values)
     and in the final weights."""
-    import datasets
-    from trl import DPOConfig, DPOTrainer
-
-    from prefixdpo import PrefixDPOConfig, PrefixDPOTrainer
     from tolerances import weights_scale
 
-    datasets.disable_progress_bars()
-    records = parity_records(12)
-    options = {**shared_options(tmp_path, "run", 4, 1), "max_steps": 3, "optim": "sgd", "learning_rate": LR}
-    trl_options = dict(padding_free=False, pad_to_multiple_of=None, use_weighting=False, ld_alpha=None,
-                       f_divergence_type="reverse_kl", sync_ref_model=False)
-    theirs = dpo_step(DPOTrainer, lambda **o: DPOConfig(**trl_options, **o), hybrid(family),
-                      datasets.Dataset.from_list(records), {**options, "output_dir": str(tmp_path / "trl")})
-    ours = dpo_step(PrefixDPOTrainer, lambda **o: PrefixDPOConfig(prefix_sharing=True, packing=False, **o),
-                    hybrid(family), records, {**options, "output_dir": str(tmp_path / "ours")})
+    theirs, ours = trl_and_ours(family, tmp_path, steps=3, prefix_sharing=True, packing=False)
     assert len(theirs[0]) == len(ours[0]) == 3
     logged = max(assert_same_dpo_log(t, o, 0.1, DPO_KEYS, k=K, what=f"{family} step {i}")
                  for i, (t, o) in enumerate(zip(theirs[0], ours[0]), 1))

@@ -79,3 +79,38 @@ def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str 
             if p.dim() == 2:
                 p.normal_(0, 0.2)
     return model.to(device=device, dtype=dtype or torch.float32).train(False)
+
+
+def _tiled(value, layers: int):
+    """A per-layer list tiled (or cut) to `layers` entries."""
+    return [value[i % len(value)] for i in range(layers)]
+
+
+def hybrid_config(family: str, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                  head_dim: int, vocab: int, max_positions: int = 16384):
+    """The config of a random `family` model at a benchmark's dimensions (`bench --architecture`): the family's
+    layer pattern of `HYBRID_FAMILIES` tiled to `layers`, its recurrent layers at the attention's heads and head_dim."""
+    from transformers import AutoConfig
+
+    fields = dict(HYBRID_FAMILIES[family])
+    for key in ("layer_types", "layers_block_type"):
+        if key in fields:
+            fields[key] = _tiled(fields[key], layers)
+    if "attn_layer_indices" in fields:
+        fields["attn_layer_indices"] = list(range(1, layers, 2))
+    if "linear_attn_config" in fields:
+        fields["linear_attn_config"] = {**fields["linear_attn_config"], "num_heads": heads, "head_dim": head_dim,
+                                        "kda_layers": list(range(1, layers + 1, 2)),
+                                        "full_attn_layers": list(range(2, layers + 1, 2))}
+    for key, value in (("linear_num_value_heads", heads), ("linear_num_key_heads", kv_heads),
+                       ("linear_key_head_dim", head_dim), ("linear_value_head_dim", head_dim),
+                       ("mamba_n_heads", heads), ("mamba_num_heads", heads), ("mamba_d_head", head_dim),
+                       ("mamba_head_dim", head_dim), ("mamba_d_ssm", heads * head_dim)):
+        if key in fields:
+            fields[key] = value
+    common = {**_COMMON, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "max_position_embeddings": max_positions}
+    if "num_key_value_heads" in fields:  # Kimi Linear's MLA expands its keys to every head
+        fields["num_key_value_heads"] = heads
+    return AutoConfig.for_model(family, **{**common, **fields})

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import os
 
+# hybrids the built-in bench model can be (`prefixdpo_tools.hybrid_models`), spelled out: the parser must not import
+# the tools (tested equal)
+BENCH_ARCHITECTURES = ("qwen3_5_text", "lfm2", "nemotron_h", "kimi_linear")
+
 
 # the command's line in `prefixdpo --help`, and the head of its own help
 SUMMARY = "throughput of standard DPO vs prefix sharing (with/without packing) on this machine"
@@ -44,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--split", default="train", help="dataset split (default train)")
     p.add_argument("--max-length", type=int, default=None, help="max tokens per prefix-shared row (dataset)")
     p.add_argument("--model", default=None, help="a real model (path or hub name) instead of the built-in one")
+    p.add_argument("--architecture", default="llama", choices=["llama", *BENCH_ARCHITECTURES],
+                   help="the built-in model's architecture: Llama (default), or a hybrid at the same size (its "
+                        "recurrent layers alternate with attention; the ideal counts their linear cost)")
     p.add_argument("--model-size", default=None, choices=["default", "quick", "medium"],
                    help="built-in random Llama-shaped model size")
     p.add_argument("--device", default="cpu", help="cpu (fp32, SDPA) or cuda (bf16, compiled FlexAttention)")

@@ -92,12 +92,22 @@ def settings_of(args, cuda: bool) -> dict:
     return settings
 
 
+def architecture_model(shape, architecture: str):
+    """The built-in bench model: `shape` (a random Llama), or a hybrid config of `architecture` at its size."""
+    if architecture == "llama":
+        return shape
+    from prefixdpo_tools.hybrid_models import hybrid_config
+
+    return hybrid_config(architecture, hidden=shape.hidden, intermediate=shape.intermediate, layers=shape.layers,
+                         heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab=shape.vocab)
+
+
 def build_stepper(args, settings: dict, dtype, backend: str):
     """(policy, its shape, the step every mode runs): a DPO step (policy + reference) or a reward-model step."""
     from prefixdpo_tools.bench.model import SHAPES, build_models
     from prefixdpo_tools.bench.step import DPOStep
 
-    model = args.model or SHAPES[settings["model_size"]]
+    model = args.model or architecture_model(SHAPES[settings["model_size"]], getattr(args, "architecture", "llama"))
     if args.task == "reward":
         from prefixdpo_tools.bench.reward import RewardStep, build_reward_model
 
@@ -140,7 +150,10 @@ def run_meta(args, settings: dict, shape, backend: str, line_per_step: bool, lin
     from prefixdpo_tools.bench.memory import PeakMemory
 
     cuda = args.device.startswith("cuda")
-    model_desc = args.model or (f"random Llama-shaped ({settings['model_size']}): hidden {shape.hidden}, "
+    architecture = getattr(args, "architecture", "llama")
+    kind = "Llama-shaped" if architecture == "llama" else (
+        f"{architecture} hybrid ({shape.pair_layers} of {shape.layers} layers attention, the others recurrent)")
+    model_desc = args.model or (f"random {kind} ({settings['model_size']}): hidden {shape.hidden}, "
                                 f"intermediate {shape.intermediate}, {shape.layers} layers, {shape.heads} heads "
                                 f"/ {shape.kv_heads} KV, head_dim {shape.head_dim}, vocab {shape.vocab}")
     return {
