@@ -334,3 +334,15 @@ def test_grpo_steps_equal_trl_grpo_trainer_on_qwen3_5(prefix_sharing, saved, tmp
     weights = assert_within(flat_o, flat_t, weights_scale(flat_0, flat_t), what="final weights")
     print(f"REPORT grpo qwen3_5_text sharing={prefix_sharing}: metrics {worst:.2f}, final weights {weights:.2f} eps x "
           "their scale")
+
+
+def test_auto_attention_picks_sdpa_for_a_model_without_flex():
+    """On CUDA `auto` is flex; a model that does not declare FlexAttention (Qwen3.5) gets sdpa instead of a refusal,
+    while an explicit flex is still refused in one line and a flex model keeps flex."""
+    from prefixdpo.core.model_checks import backend_for_model, refusal
+
+    qwen = _hybrid("qwen3_5_text")
+    assert backend_for_model(qwen, "flex", "auto") == "sdpa"
+    assert backend_for_model(qwen, "flex", "flex") == "flex" and "use --attention sdpa" in refusal(qwen, "flex")
+    assert backend_for_model(_hybrid("lfm2"), "flex", "auto") == "flex"
+    assert backend_for_model(qwen, "sdpa", "auto") == "sdpa"

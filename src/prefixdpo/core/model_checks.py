@@ -165,6 +165,15 @@ def check_runs_unshared(model) -> None:
         raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
 
 
+def backend_for_model(model, backend: str, requested: str) -> str:
+    """The backend a run uses on `model`: `backend` (resolved from the `requested` option), except that `auto`'s flex
+    becomes sdpa for a model that does not declare FlexAttention support (Qwen3.5, Falcon-H1, Kimi Linear): `auto`
+    picks a backend the model runs, where an explicit `flex` is refused in one line."""
+    if requested == "auto" and backend == "flex" and not getattr(base_model(model), "_supports_flex_attn", False):
+        return "sdpa"
+    return backend
+
+
 def check_recurrent_options(model, *, prefix_reuse: bool, sequence_parallel_size: int) -> None:
     """One-line ConfigErrors for the options a hybrid's recurrent layers (`core.recurrent`) cannot run with on prefix-
     shared lines: prefix reuse (its passes would need the prefix's final states, not only its keys and values) and

@@ -54,7 +54,7 @@ from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.data.lines import padded
 from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
 from prefixdpo.core.model_checks import (
-    base_model, check_recurrent_options, prepare_model, sliding_window_of, text_config,
+    backend_for_model, base_model, check_recurrent_options, prepare_model, sliding_window_of, text_config,
 )
 from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.options import resolve_tokens_per_pass
@@ -118,7 +118,10 @@ class PrefixSharedLogps:
         if not settings.prefix_sharing:  # TRL's own passes, on the model's own attention
             check_trl_aux_loss(self.model, getattr(self, "aux_loss_enabled", False), self.router_aux_loss_coef)
             return
-        backend = resolve_backend(settings.attention, self.args.device, needs_grad=True)
+        resolved = resolve_backend(settings.attention, self.args.device, needs_grad=True)
+        backend = backend_for_model(self.model, resolved, settings.attention)
+        if backend != resolved:  # auto's sdpa for a model without flex: every pass (and the scoring) runs it
+            self.change_settings(attention=backend)
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)

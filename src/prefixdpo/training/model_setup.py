@@ -10,7 +10,7 @@ import torch
 
 from prefixdpo.errors import ConfigError, UserError
 from prefixdpo.core.model_checks import (
-    base_model, check_recurrent_options, prepare_model, refusal, unshareable_layers, unwrap,
+    backend_for_model, base_model, check_recurrent_options, prepare_model, refusal, unshareable_layers, unwrap,
 )
 from prefixdpo.core.stock_attention import STOCK, stock_implementation
 
@@ -68,6 +68,7 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
             adapters_to_bf16(model)
     if args.disable_dropout:
         disable_dropout(model)
+    backend = backend_for_model(model, backend, getattr(args, "attention", backend))
     run_backend = prepare_model(model, backend, prefix_sharing=args.prefix_sharing)
     if run_backend == STOCK:
         check_stock_route(model, args, backend)
