@@ -58,13 +58,21 @@ def test_broken_layout_is_detected():
     assert result.logp_diff > 1e-3  # far outside any rounding
 
 
-def test_sliding_window_shorter_than_sequence_is_refused():
+def test_sliding_window_shorter_than_sequence_is_refused_on_a_backend_without_windows():
     model = tiny_model("mistral", sliding_window=6)
-    prepare_model(model, "sdpa")
+    prepare_model(model, "segmented")
     batch = build_batch(random_examples())
-    mask = plan_pass(batch, "sdpa")
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+    mask = plan_pass(batch, "segmented")
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention .* or use --attention sdpa"):
         compute_response_logps(model, batch, mask)
+
+
+@pytest.mark.parametrize("packs", [None, [[0, 1, 2]]])
+def test_sliding_window_shorter_than_sequences_is_exact_on_the_dense_mask(packs):
+    """A window of 6 under sequences of up to 11 tokens: the dense mask slides it along each sequence of a shared
+    (and packed) line (`masks.windowed`)."""
+    result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs)
+    assert_matches_separate_passes(result)
 
 
 def test_sliding_window_longer_than_sequences_is_exact():

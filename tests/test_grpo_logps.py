@@ -59,9 +59,12 @@ def values_and_grads(pass_fn, model, weights):
     ("llama", False, 1.0, 3, "segmented"),
     ("gpt2", True, 1.0, None, "sdpa"),
     ("opt", False, 0.7, 3, "sdpa"),
+    # a sliding window of 8 shorter than the rows: the dense mask slides it over the shared lines (masks.windowed)
+    (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)), True, 1.0, None, "sdpa"),
 ])
 def test_logps_entropies_and_grads_equal_trl(tmp_path, arch, packing, temperature, batch_size, attention):
-    trainer = make_trainer(tmp_path, tiny_causal_lm(arch), packing=packing, temperature=temperature,
+    arch, config = arch if isinstance(arch, tuple) else (arch, {})
+    trainer = make_trainer(tmp_path, tiny_causal_lm(arch, **config), packing=packing, temperature=temperature,
                            attention=attention)
     model = trainer.model
     input_ids, attention_mask, K = rows_with_groups()
@@ -191,9 +194,10 @@ def test_fallback_is_trl_exactly_and_said_once(tmp_path, caplog):
     assert len(said) == 1 and "TRL's own layout" in said[0].getMessage()
 
 
-def test_sliding_window_shorter_than_the_rows_runs_trls_pass(tmp_path, caplog):
+def test_sliding_window_shorter_than_the_rows_runs_trls_pass_on_a_backend_without_windows(tmp_path, caplog):
+    """segmented attention does not slide a window over a shared line (the dense mask does: the equality test)."""
     model = tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    trainer = make_trainer(tmp_path, model)
+    trainer = make_trainer(tmp_path, model, attention="segmented")
     input_ids, attention_mask, K = rows_with_groups()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="prefixdpo.grpo.trainer"):
         ours, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, K)

@@ -123,16 +123,17 @@ def test_train_runs_every_family_with_prefix_sharing_off(family, saved, tmp_path
     caplog.set_level(logging.INFO, logger="prefixdpo.training.model_setup")
     assert run_cli("train", saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
     name = type(_hybrid(family)).__name__
-    # only the families prefixdpo's attention cannot run take their own (gpt-oss has no SDPA, its sinks: TRL runs it
-    # eager too); the others run prefixdpo's attention and recurrent runs on unshared rows
-    own = {"gpt_oss": "eager", "jamba": "sdpa"}.get(family)
+    # only the family prefixdpo's attention cannot run takes its own; the others run prefixdpo's attention (gpt-oss's
+    # sinks through its own eager attention) and recurrent runs on unshared rows
+    own = {"jamba": "sdpa"}.get(family)
     stock_line = f"prefix sharing off: {name} runs its own attention ({own}) on padded rows"
     assert (stock_line in caplog.text) == (own is not None)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a stock model, loadable anywhere
-    assert type(exported).__name__ == name and exported.config._attn_implementation == (own or "sdpa")
+    stock = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss has no SDPA: its export names eager, as TRL runs it
+    assert type(exported).__name__ == name and exported.config._attn_implementation == stock
 
 
-@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in UNSHAREABLE and f != "gpt_oss"])
+@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in UNSHAREABLE])
 def test_train_runs_every_recurrent_family_with_prefix_sharing_on(family, saved, tmp_path):
     assert run_cli("train", saved(family), tmp_path / "out", "--packing", "true") == 0
 
@@ -177,10 +178,11 @@ def test_prefix_sharing_on_refuses_a_recurrent_model_in_one_line(command, saved,
     assert not (tmp_path / "out" / "config.json").exists()
 
 
-def test_prefix_sharing_on_refuses_attention_sinks_naming_the_way_out(saved, tmp_path, capsys):
-    assert run_cli("train", saved("gpt_oss"), tmp_path / "out") == 2
-    assert error_line(capsys) == ("prefixdpo train: error: GptOssForCausalLM does not support SDPA attention "
-                                  "(attention=sdpa); or train it with --prefix_sharing false")
+def test_attention_sinks_on_a_backend_without_them_are_refused_naming_the_ways_out(saved, tmp_path, capsys):
+    assert run_cli("train", saved("gpt_oss"), tmp_path / "out", "--attention", "segmented") == 2
+    assert error_line(capsys) == (
+        "prefixdpo train: error: GptOssForCausalLM has attention sinks, which the segmented backend does not run: use "
+        "--attention sdpa (or flex on CUDA), or train it with --prefix_sharing false")
 
 
 def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_line(saved, tmp_path, capsys):
@@ -262,7 +264,7 @@ def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
     print(f"REPORT dpo {family}: logged values {logged:.2f}, gradients {worst:.2f} eps x their scale")
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "gpt_oss"])
 def test_three_dpo_steps_with_prefix_sharing_equal_trl_dpo_trainer(family, tmp_path):
     """Prefix sharing ON (each record one shared line; unpacked, as test_trl_parity: best-fit packing reorders the
     records into other steps): the recurrent layers run each response from its prompt's final state

@@ -66,12 +66,14 @@ HYBRID_FAMILIES: dict[str, dict] = {
 }
 
 
-def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str = "cpu", seed: int = 0):
-    """A tiny random model of `family` (a key of HYBRID_FAMILIES) in eval mode, weights at std 0.2."""
+def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str = "cpu", seed: int = 0,
+                   **overrides):
+    """A tiny random model of `family` (a key of HYBRID_FAMILIES; `overrides`: config fields) in eval mode, weights at
+    std 0.2."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(family, **{**_COMMON, **HYBRID_FAMILIES[family]})
+    config = AutoConfig.for_model(family, **{**_COMMON, **HYBRID_FAMILIES[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

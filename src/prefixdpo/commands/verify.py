@@ -182,13 +182,13 @@ def _load(args, dtype):
     return model, tokenizer, quantity, compare_fn
 
 
-def _cases(model, tokenizer, text_file: str | None) -> list[tuple]:
+def _cases(model, tokenizer, text_file: str | None, backend: str) -> list[tuple]:
     """(name, examples, packs, prefix_sharing, tree) of every case; a line over the model's positions is refused
     in one line."""
     from prefixdpo.core.fit import check_positions
 
     examples = _examples(tokenizer, text_file)
-    check_positions(model, examples, text_file or "built-in")
+    check_positions(model, examples, text_file or "built-in", backend)
     n = len(examples)
     cases = [
         ("unpacked (one row per example)", examples, None, True, False),
@@ -198,7 +198,7 @@ def _cases(model, tokenizer, text_file: str | None) -> list[tuple]:
         ("standard sequences packed, no sharing", examples, [list(range(n))], False, False),
     ]
     records = _tree_examples(tokenizer, examples)
-    check_positions(model, records, text_file or "built-in")
+    check_positions(model, records, text_file or "built-in", backend)
     return cases + [(TREE_CASE, records, None, True, True)]
 
 
@@ -218,7 +218,7 @@ def run(args) -> int:
     from prefixdpo.core.verify import stock_implementation
 
     model, tokenizer, quantity, compare_fn = _load(args, dtype)
-    cases = _cases(model, tokenizer, args.text_file)
+    cases = _cases(model, tokenizer, args.text_file, backend)
     examples = cases[0][1]
     try:
         check_model_supported(model, backend)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from prefixdpo.core.attention.backends import WINDOWED_BACKENDS
 from prefixdpo.data.example import Example
 from prefixdpo.data.loader import LoaderSettings, resolve_pack_length, row_length
 from prefixdpo.data.loader import _check_rows_fit as check_rows_fit  # the loader's own message, met earlier
@@ -122,10 +123,11 @@ def refuse_over_limit(named_lengths: Sequence[tuple[str, int, str]], limit: tupl
     raise DataDoesNotFitError(f"{name}: {line} is {n} tokens, more than {what}{more}: {advice}")
 
 
-def check_positions(model, examples: Sequence[Example], name: str = "train") -> None:
-    """Refuse the first example whose longest `[prompt][response]` sequence is over the model's positions or
-    its sliding window, naming it, how many more are over, and the `max_length` that fits."""
-    limits = model_limits(model)
+def check_positions(model, examples: Sequence[Example], name: str = "train", backend: str | None = None) -> None:
+    """Refuse the first example whose longest `[prompt][response]` sequence is over the model's positions or, on a
+    `backend` that does not slide the window over a shared row (`backends.WINDOWED_BACKENDS`; None: any), its sliding
+    window, naming it, how many more are over, and the `max_length` that fits."""
+    limits = model_limits(model, window=backend not in WINDOWED_BACKENDS)
     if not limits:
         return
     limit = min(limits)
@@ -343,7 +345,7 @@ def check_run_fits(model, settings: FitSettings, train, evals) -> None:
     named = {"train": train, **(dict(evals) if isinstance(evals, Mapping) else {"eval": evals})}
     named = {name: examples for name, examples in named.items() if examples}
     for name, examples in named.items():
-        check_positions(model, examples, name)
+        check_positions(model, examples, name, settings.backend)
         loader = settings.train if name == "train" else settings.eval
         if loader.packing:  # a row over an explicit pack_length, refused now rather than when its epoch is planned
             check_rows_fit(examples, [row_length(ex, loader.prefix_sharing) for ex in examples],

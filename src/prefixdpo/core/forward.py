@@ -54,7 +54,7 @@ def compute_response_logps(
     stat: a per-token statistic of the same head pass, summed per response (`ResponseLogps.stat_sums`).
     router_aux: also the MoE load-balancing loss of this pass (`ResponseLogps.aux_loss`, TRL's).
     """
-    check_sequences_fit_window(model, batch)
+    check_sequences_fit_window(model, batch, plan.backend)
     head = lm_head_fn(unwrap(model))
 
     def logps(hidden: torch.Tensor, mine, min_rows: int) -> dict:

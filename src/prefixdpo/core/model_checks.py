@@ -10,7 +10,8 @@ import inspect
 
 import torch
 
-from prefixdpo.core.attention.backends import ATTENTION_NAME
+from prefixdpo.core.attention.backends import ATTENTION_NAME, WINDOWED_BACKENDS
+from prefixdpo.core.attention.sinks import model_has_sinks
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.recurrent import SUPPORTED_MIXERS, prepare_recurrent, supported_mixers, unsupported_mixers
 from prefixdpo.core.stock_attention import STOCK, on_stock_route, use_stock_attention
@@ -52,19 +53,19 @@ def sliding_window_of(model) -> int | None:
     return int(window)
 
 
-def check_sequences_fit_window(model, batch: Batch) -> None:
-    """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window:
-    the rule does not reproduce attention that slides over a shared row (a model on its own attention, the
-    `STOCK` route, slides exactly: nothing to check)."""
+def check_sequences_fit_window(model, batch: Batch, backend: str) -> None:
+    """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window on a
+    `backend` that does not slide it over a shared row (flex, segmented, varlen; the dense sdpa mask slides it,
+    `masks.windowed`; a model on its own attention, the `STOCK` route, slides exactly: nothing to check)."""
     base = base_model(model)
-    if on_stock_route(base):
+    if on_stock_route(base) or backend in WINDOWED_BACKENDS:
         return
     window = sliding_window_of(base)
     if window is not None and batch.max_sequence_length > window:
         raise UnsupportedModelError(
             f"sliding-window attention (window {window}) is shorter than a sequence of "
-            f"{batch.max_sequence_length} tokens in this batch; prefixdpo would not reproduce it "
-            f"(set max_length <= {window})"
+            f"{batch.max_sequence_length} tokens in this batch; prefixdpo's {backend} attention would not reproduce "
+            f"it (set max_length <= {window}, or use --attention sdpa)"
         )
 
 
@@ -144,7 +145,11 @@ def refusal(model, backend: str) -> str | None:
     if getattr(cfg, "attn_logit_softcapping", None) is not None and backend != "flex":
         return (f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA); or train it "
                 f"with {SHARING_OFF}")
-    if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False):
+    sinks = model_has_sinks(base)  # gpt-oss: the sdpa backend runs its own eager attention with them (`sinks`)
+    if backend in ("segmented", "varlen") and sinks:
+        return (f"{name} has attention sinks, which the {backend} backend does not run: use --attention sdpa (or flex "
+                f"on CUDA), or train it with {SHARING_OFF}")
+    if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False) and not sinks:
         return f"{name} does not support SDPA attention (attention={backend}); or train it with {SHARING_OFF}"
     if backend == "flex" and not getattr(base, "_supports_flex_attn", False):
         return (f"{name} does not support FlexAttention (attention=flex): use --attention sdpa, or train it with "
@@ -216,8 +221,9 @@ def prepare_model(model, backend: str = "sdpa", prefix_sharing: bool = True) -> 
     return backend
 
 
-def restore_stock_attention(folder: str) -> None:
-    """Rewrite a saved config.json to say `sdpa` where it says prefixdpo's attention.
+def restore_stock_attention(folder: str, implementation: str = "sdpa") -> None:
+    """Rewrite a saved config.json to say `implementation` (the model's stock attention: `stock_implementation`, eager
+    for gpt-oss, which has no SDPA) where it says prefixdpo's attention.
 
     Our attention name exists only where prefixdpo is imported: the stock one lets
     `AutoModelForCausalLM.from_pretrained` load the saved model anywhere.
@@ -235,5 +241,5 @@ def restore_stock_attention(folder: str) -> None:
     if keys:
         from prefixdpo.atomic_io import atomic_write_json
 
-        cfg.update(dict.fromkeys(keys, "sdpa"))
+        cfg.update(dict.fromkeys(keys, implementation))
         atomic_write_json(path, cfg, indent=2, sort_keys=True)  # a kill leaves the saved config or this one

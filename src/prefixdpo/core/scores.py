@@ -75,7 +75,7 @@ def compute_response_scores(model, batch: Batch, plan: PassPlan) -> torch.Tensor
         raise UnsupportedModelError(
             "the reward model's config has no pad_token_id (set model.config.pad_token_id, as TRL's RewardTrainer "
             "does from the tokenizer's pad token): it marks where each sequence ends")
-    check_sequences_fit_window(model, batch)
+    check_sequences_fit_window(model, batch, plan.backend)
     empty = batch.num_responses == 0
     if empty:
         line = column = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)

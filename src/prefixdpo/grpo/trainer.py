@@ -52,7 +52,7 @@ from trl.trainer.utils import RepeatSampler
 from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
 from prefixdpo.data.lines import padded
-from prefixdpo.core.attention.backends import ATTENTION_NAME, resolve_backend
+from prefixdpo.core.attention.backends import ATTENTION_NAME, WINDOWED_BACKENDS, resolve_backend
 from prefixdpo.core.model_checks import (
     backend_for_model, base_model, check_recurrent_options, prepare_model, sliding_window_of, text_config,
 )
@@ -247,7 +247,8 @@ class PrefixSharedLogps:
             return (f"{type(base).__name__} does not run prefixdpo's attention (it was not passed in as the policy "
                     "or the reference)")
         window = sliding_window_of(base)
-        if window is not None and input_ids.shape[1] > window:
+        slides = resolve_backend(self.group_settings.attention, input_ids.device, needs_grad=False) in WINDOWED_BACKENDS
+        if window is not None and input_ids.shape[1] > window and not slides:  # the dense mask slides it
             return f"rows of {input_ids.shape[1]} columns exceed the model's sliding window of {window}"
         return why_not_shared(attention_mask, logits_to_keep)
 

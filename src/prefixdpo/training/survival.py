@@ -40,7 +40,8 @@ from transformers import TrainerCallback
 
 from prefixdpo.atomic_io import atomic_write_json, move_files_into
 from prefixdpo.core.engines import whole_model_state_dict
-from prefixdpo.core.model_checks import restore_stock_attention
+from prefixdpo.core.model_checks import base_model, restore_stock_attention
+from prefixdpo.core.stock_attention import stock_implementation
 from prefixdpo.errors import TrainingInterrupted, TrainingPreempted, UserError
 from prefixdpo.core.rank_decisions import any_rank, from_rank0
 from prefixdpo.training import checkpoints, disk_space
@@ -379,6 +380,10 @@ class SurvivingRun:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _stock_attention(self) -> str:
+        """The attention implementation a saved config names (`core.stock_attention.stock_implementation`)."""
+        return stock_implementation(base_model(self.model))
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's save; an export (not a checkpoint) is always a whole, stock-loadable model, staged and
         moved into `output_dir` file by file (each file whole), with the run's fingerprint (`RUN_FILE`) last."""
@@ -386,7 +391,7 @@ class SurvivingRun:
         if _internal_call:  # a checkpoint: stays as configured (sharded or not); staged by `_save_checkpoint`
             super().save_model(folder, _internal_call)
             if self.args.should_save:
-                restore_stock_attention(folder)
+                restore_stock_attention(folder, self._stock_attention())
             return
         staging = os.path.join(folder, ".export.staging")
         if self.args.should_save and os.path.isdir(staging):
@@ -396,7 +401,8 @@ class SurvivingRun:
             with whole_model_state_dict(self.accelerator):
                 super().save_model(staging, _internal_call)
             if self.args.should_save:
-                restore_stock_attention(staging)  # the saved config names stock attention: loadable without prefixdpo
+                # the saved config names stock attention: loadable without prefixdpo
+                restore_stock_attention(staging, self._stock_attention())
                 if self.run_fingerprint is not None:  # which run wrote this model (`checkpoints.other_run_in`)
                     atomic_write_json(os.path.join(staging, checkpoints.RUN_FILE),
                                       {"run": self.run_fingerprint, "step": self.state.global_step})

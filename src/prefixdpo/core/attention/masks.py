@@ -58,3 +58,15 @@ def block_mask(spans: torch.Tensor, *, block_size: int = 128, queries_from: int 
     B, L, _ = spans.shape
     return create_block_mask(mask_mod(spans, queries_from), B, None, L - queries_from, L, device=spans.device,
                              BLOCK_SIZE=block_size)
+
+
+def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """The rule's dense mask [B, 1, Lq, Lk] under a sliding window: each query keeps the keys fewer than `window`
+    positions back along its own sequence (transformers' `kv_idx > q_idx - sliding_window`).
+
+    The distance needs no position ids: a query attends exactly its ancestors and itself, laid out depth first, so
+    they are its sequence's tokens in order, one per position, and a key's distance back is the number of attended
+    keys right of it (the query itself last, at distance 0). Padding attends only itself and keeps it."""
+    attended = mask.to(torch.int32)
+    right_of = attended.sum(-1, keepdim=True) - attended.cumsum(-1)  # attended keys after each column
+    return mask & (right_of < window)
