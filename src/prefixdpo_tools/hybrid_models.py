@@ -67,9 +67,9 @@ HYBRID_FAMILIES: dict[str, dict] = {
 
 
 def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str = "cpu", seed: int = 0,
-                   **overrides):
-    """A tiny random model of `family` (a key of HYBRID_FAMILIES; `overrides`: config fields) in eval mode, weights at
-    std 0.2."""
+                   std: float = 0.2, **overrides):
+    """A tiny random model of `family` (a key of HYBRID_FAMILIES; `overrides`: config fields) in eval mode, its weight
+    matrices at `std`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,7 +79,7 @@ def tiny_hybrid_lm(family: str, dtype: "torch.dtype | None" = None, device: str 
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
     return model.to(device=device, dtype=dtype or torch.float32).train(False)
 
 
