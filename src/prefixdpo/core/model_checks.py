@@ -179,20 +179,17 @@ def backend_for_model(model, backend: str, requested: str) -> str:
     return backend
 
 
-def check_recurrent_options(model, *, prefix_reuse: bool, sequence_parallel_size: int) -> None:
-    """One-line ConfigErrors for the options a hybrid's recurrent layers (`core.recurrent`) cannot run with on prefix-
-    shared lines: prefix reuse (its passes would need the prefix's final states, not only its keys and values) and
-    sequence parallelism (each rank holds some columns of a line; a recurrence runs along all of them)."""
+def check_recurrent_options(model, *, sequence_parallel_size: int) -> None:
+    """The one-line ConfigError for the option a hybrid's recurrent layers (`core.recurrent`) cannot run with on
+    prefix-shared lines: sequence parallelism (each rank holds some columns of a line; a recurrence runs along all of
+    them). Prefix reuse runs: its prefix's pass hands its final states to the chunks (`PrefixKV.states`)."""
     base = base_model(model)
     if not supported_mixers(base):
         return
-    name = type(base).__name__
-    if prefix_reuse:
-        raise ConfigError(f"prefix_reuse=true does not carry {name}'s recurrent states from a prefix's pass into its "
-                          "chunks yet: set --prefix_reuse false")
     if sequence_parallel_size > 1:
-        raise ConfigError(f"sequence_parallel_size > 1 cannot run {name}'s recurrent layers: a recurrence runs along "
-                          "the whole line, which its ranks hold in pieces: set --sequence_parallel_size 1")
+        raise ConfigError(f"sequence_parallel_size > 1 cannot run {type(base).__name__}'s recurrent layers: a "
+                          "recurrence runs along the whole line, which its ranks hold in pieces: set "
+                          "--sequence_parallel_size 1")
 
 
 def check_model_supported(model, backend: str) -> None:

@@ -125,7 +125,7 @@ class PrefixSharedLogps:
         for model in (self.model, self.ref_model):
             if model is not None:
                 prepare_model(model, backend)
-        check_recurrent_options(self.model, prefix_reuse=settings.prefix_reuse, sequence_parallel_size=size)
+        check_recurrent_options(self.model, sequence_parallel_size=size)
         if settings.prefix_reuse:
             self.tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 

@@ -73,8 +73,7 @@ def prepare_policy(model, args, *, backend: str, peft_config=None, tokenizer=Non
     if run_backend == STOCK:
         check_stock_route(model, args, backend)
     else:
-        check_recurrent_options(model, prefix_reuse=getattr(args, "prefix_reuse", False),
-                                sequence_parallel_size=getattr(args, "sequence_parallel_size", 1))
+        check_recurrent_options(model, sequence_parallel_size=getattr(args, "sequence_parallel_size", 1))
     return model, tokenizer, run_backend
 
 

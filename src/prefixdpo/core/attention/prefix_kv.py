@@ -13,16 +13,21 @@ class PrefixKV:
     (`PassPlan.prefix_kv`), by the attention module's `layer_idx`. `record()`: the prefix's own pass, which keeps
     each layer's key/value [B, Hkv, p, D] (with their autograd graph); `prepended()`: a pass over tokens after the
     prefix, whose keys and values are the prefix's followed by its own. Through prefixdpo's attention rather than
-    a transformers cache, so gradient checkpointing (which drops a layer's cache) keeps it."""
+    a transformers cache, so gradient checkpointing (which drops a layer's cache) keeps it.
 
-    def __init__(self, layers: dict | None = None, recording: bool = True):
+    `states`: a hybrid's recurrent layers' final states at the prefix's end, by the mixer's `layer_idx`: ({state_idx:
+    conv state [1, C, K]}, {state_idx: recurrent state}), recorded by the prefix's pass and the initial states of
+    every run of a chunk that descends straight from the prefix (`core.recurrent.mixers`)."""
+
+    def __init__(self, layers: dict | None = None, recording: bool = True, states: dict | None = None):
         self.layers = {} if layers is None else layers
+        self.states = {} if states is None else states
         self.recording = recording
 
     def prepended(self) -> "PrefixKV":
         """A store that puts this one's keys and values before a later pass's own (a snapshot: a layer recomputed
         in backward may record again)."""
-        return PrefixKV(dict(self.layers), recording=False)
+        return PrefixKV(dict(self.layers), recording=False, states=dict(self.states))
 
     def keys_values(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value [B, Hkv, l, D] of `module`'s pass -> those the attention reads: the same (recording), or the

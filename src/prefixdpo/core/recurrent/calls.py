@@ -57,8 +57,10 @@ class CallPlan:
     index: torch.Tensor
 
 
-def plan_calls(walk: SpanWalk, B: int, L: int) -> CallPlan:
-    """The calls of `walk` over [B, L] lines (module docstring)."""
+def plan_calls(walk: SpanWalk, B: int, L: int, roots_from_state: bool = False) -> CallPlan:
+    """The calls of `walk` over [B, L] lines (module docstring). roots_from_state: the roots start from a state too
+    (a chunk of prefix reuse, from its prefix's final states), so a one-token root is folded or padded as any call
+    from a state."""
     children: dict[int, list[int]] = {}
     for i, run in enumerate(walk.runs):
         children.setdefault(run.parent, []).append(i)
@@ -78,7 +80,7 @@ def plan_calls(walk: SpanWalk, B: int, L: int) -> CallPlan:
         start_of[i] = (prefix, parent_call, d)
         columns = prefix + tuple(range(run.start, run.end))
         leaf = not children.get(i)
-        if len(columns) == 1 and parent_call >= 0 and not leaf:
+        if len(columns) == 1 and (parent_call >= 0 or roots_from_state) and not leaf:
             continue  # folded into each child's call
         calls.append(Call(run.line, columns, parent_call, leaf))
         depth.append(d)
@@ -90,8 +92,8 @@ def plan_calls(walk: SpanWalk, B: int, L: int) -> CallPlan:
         key = (0 if call.parent < 0 else last, -1) if call.leaf else (depth[c], len(call.columns))
         by_key.setdefault(key, []).append(c)
     groups = tuple(tuple(by_key[key]) for key in sorted(by_key))
-    widths = tuple(max(max(len(calls[c].columns) for c in group), 2 if calls[group[0]].parent >= 0 else 1)
-                   for group in groups)
+    widths = tuple(max(max(len(calls[c].columns) for c in group),
+                       2 if calls[group[0]].parent >= 0 or roots_from_state else 1) for group in groups)
 
     index = np.full((B, L), sum(len(g) * w for g, w in zip(groups, widths)), dtype=np.int64)  # padding: zero row
     rows, out_row = [], 0

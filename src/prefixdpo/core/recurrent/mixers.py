@@ -28,26 +28,41 @@ from prefixdpo.core.recurrent.states import RunStates
 # kwargs of a whole-line pass that must not reach a call over some of its columns: flash varlen's sequence lengths
 _LINE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 
-_last_plan: tuple[torch.Tensor, CallPlan] | None = None  # every layer of a pass plans the same spans once
+# every layer of a pass plans the same spans once: (spans, their column offset, roots from a state) -> the plan
+_last_plan: tuple[tuple, CallPlan] | None = None
 
 
-def call_plan(spans: torch.Tensor) -> CallPlan:
-    """The `CallPlan` of lines with node spans `spans` [B, L, 2], remembered for the last spans tensor (the same object
-    reaches every layer of a pass, and gradient checkpointing's recompute)."""
+def call_plan(spans: torch.Tensor, offset: int = 0, roots_from_state: bool = False) -> CallPlan:
+    """The `CallPlan` of lines with node spans `spans` [B, L, 2] whose first column is column `offset` of its line (a
+    chunk of prefix reuse: its spans count from the prefix's start), remembered for the last spans tensor (the same
+    object reaches every layer of a pass, and gradient checkpointing's recompute)."""
     global _last_plan
-    if _last_plan is None or _last_plan[0] is not spans:
+    key = (spans, offset, roots_from_state)
+    if _last_plan is None or _last_plan[0][0] is not spans or _last_plan[0][1:] != key[1:]:
         B, L = spans.shape[:2]
-        plan = plan_calls(walk_spans(spans), B, L)
+        own = torch.where(spans >= 0, spans - offset, spans) if offset else spans
+        plan = plan_calls(walk_spans(own), B, L, roots_from_state=roots_from_state)
         # the gathers' indices where the pass runs, moved once rather than per layer and group
         plan = replace(plan, rows=tuple(r.to(spans.device) for r in plan.rows), index=plan.index.to(spans.device))
-        _last_plan = (spans, plan)
+        _last_plan = (key, plan)
     return _last_plan[1]
 
 
-def _parent_states(calls, group, finals, group_states, layer_idx: int) -> RunStates:
-    """The initial states of a group of calls: their parents' final states, stacked in the group's order."""
-    if calls[group[0]].parent < 0:  # a group is all roots or all children (one depth)
+def _root_states(layer_idx: int, n: int, initial: tuple[dict, dict] | None) -> RunStates:
+    """The initial states of n root calls: the zero state, or `initial` (a prefix's final states, [1, ...] each)
+    repeated for each (a copy: no call writes into the prefix's own)."""
+    if initial is None:
         return RunStates(layer_idx)
+    conv, recurrent = ({k: v.repeat(n, *[1] * (v.dim() - 1)) for k, v in states.items() if v is not None}
+                       for states in initial)
+    return RunStates(layer_idx, conv, recurrent)
+
+
+def _parent_states(calls, group, finals, group_states, layer_idx: int, initial=None) -> RunStates:
+    """The initial states of a group of calls: their parents' final states, stacked in the group's order (roots:
+    `_root_states`)."""
+    if calls[group[0]].parent < 0:  # a group is all roots or all children (one depth)
+        return _root_states(layer_idx, len(group), initial)
     conv: dict[int, list[torch.Tensor]] = {}
     recurrent: dict[int, list[torch.Tensor]] = {}
     for c in group:
@@ -68,7 +83,9 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
             f"a recurrent layer with a pass plan runs whole lines: its input holds {B} x {L} columns, the plan's "
             f"spans {plan.spans.shape[0]} x {plan.spans.shape[1]} (a recurrence cannot be split over ranks by "
             "columns)")
-    calls_plan = call_plan(plan.spans)
+    store = getattr(plan, "prefix_kv", None)  # prefix reuse: the prefix's pass records its final states, chunks read
+    initial = None if store is None or store.recording else store.states[layer_idx]
+    calls_plan = call_plan(plan.spans, getattr(plan, "queries_from", 0), roots_from_state=initial is not None)
     calls = calls_plan.calls
     kwargs = {k: v for k, v in kwargs.items() if k not in _LINE_KWARGS}
     flat_in = hidden_states.reshape(B * L, H)
@@ -77,7 +94,7 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
     group_states: list[RunStates] = []
     for group, width, rows in zip(calls_plan.groups, calls_plan.widths, calls_plan.rows):
         x = flat_in[rows].view(len(group), width, H)
-        states = _parent_states(calls, group, finals, group_states, layer_idx)
+        states = _parent_states(calls, group, finals, group_states, layer_idx, initial)
         y = original(x, cache=states, attention_mask=None, **kwargs)
         if isinstance(y, tuple):  # a mixer returning (output, extras): only the output is per column
             y = y[0]
@@ -85,8 +102,19 @@ def run_forward(original, layer_idx: int, hidden_states: torch.Tensor, plan, kwa
         for row, c in enumerate(group):
             finals[c] = (len(group_states), row)
         group_states.append(states)
+    if store is not None and store.recording:
+        store.states[layer_idx] = _prefix_final_states(calls, finals, group_states, L)
     flat_out = torch.cat(outputs + [outputs[0].new_zeros(1, outputs[0].shape[-1])])
     return flat_out[calls_plan.index].view(B, L, -1)
+
+
+def _prefix_final_states(calls, finals, group_states, length: int) -> tuple[dict, dict]:
+    """The final states [1, ...] of the call that ends a prefix's pass (one line of `length` columns, a chain: its
+    last column's call), as ({state_idx: conv state}, {state_idx: recurrent state})."""
+    last = next(c for c, call in enumerate(calls) if call.line == 0 and call.columns[-1] == length - 1)
+    g, row = finals[last]
+    return tuple({k: v[row:row + 1] for k, v in states.items() if v is not None}
+                 for states in (group_states[g].conv, group_states[g].recurrent))
 
 
 def _stock_forward(module):
