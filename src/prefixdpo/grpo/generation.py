@@ -47,6 +47,7 @@ from prefixdpo.core.attention.backends import ATTENTION_NAME
 from prefixdpo.core.attention.pass_plan import decoding_plan
 from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
 from prefixdpo.core.model_checks import base_model, text_config
+from prefixdpo.grpo.cache_rows import expand_layer, has_recurrent_state, unexpandable_layers
 
 # Decoding modes whose steps read nothing but the cache and the ids so far.
 _SHARED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -125,15 +126,19 @@ def why_not_shared(model, generation_config, inputs: dict) -> str | None:
     if not base._supports_default_dynamic_cache() or cache_kwarg(model) is None:
         return f"{type(base).__name__} does not take a DynamicCache"
     layers = DynamicCache(config=text_config(base)).layers
-    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"})
-        return f"{type(base).__name__}'s cache holds {', '.join(kinds)} (not per-token keys and values)"
+    kinds = unexpandable_layers(layers)
+    if kinds:
+        return (f"{type(base).__name__}'s cache holds {', '.join(kinds)} (neither per-token keys and values nor a "
+                "linear-attention state)")
     window = min((layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)),
                  default=None)
     if window is not None and inputs["input_ids"].shape[1] > window:
         return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
     if inputs["input_ids"].shape[1] < 2:
         return "the prompts are one column wide (nothing before the last token to prefill)"
+    if has_recurrent_state(layers) and not bool(inputs["attention_mask"][:, -1].all()):
+        # a recurrent layer zeroes padding by the 2D mask only in a multi-token call; the last column decodes alone
+        return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
     if _draws_random_numbers(model):
         return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
                 "training mode), which depend on the batch shape")
@@ -172,11 +177,12 @@ def prefill_shared_prompts(model, groups: PromptGroups) -> DynamicCache:
         inputs["logits_to_keep"] = 1  # the prefill's logits are not used; one position keeps the head cheap
     with torch.no_grad():
         model(**inputs)
-    if why_not_shared_cache(model, cache, groups) is None:
-        cache.layers = [SharedPromptLayer(layer.keys, layer.values, mask, groups.row_to_unique)
-                        for layer in cache.layers]
-    else:
-        cache.batch_select_indices(groups.row_to_unique)
+    held_once = why_not_shared_cache(model, cache, groups) is None
+    for i, layer in enumerate(cache.layers):
+        if held_once and type(layer) is DynamicLayer:
+            cache.layers[i] = SharedPromptLayer(layer.keys, layer.values, mask, groups.row_to_unique)
+        else:  # keys and values, or a recurrent layer's states, a copy per row (`cache_rows`)
+            expand_layer(layer, groups.row_to_unique)
     return cache
 
 
@@ -196,9 +202,12 @@ def why_not_shared_cache(model, cache: DynamicCache, groups: PromptGroups) -> st
     `MIN_SHARED_PROMPT_BYTES` per layer cost less than the merge's extra operations."""
     if getattr(base_model(model).config, "_attn_implementation", None) != ATTENTION_NAME:
         return "the model does not run prefixdpo's attention"
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return "the cache has sliding-window layers"
-    keys = cache.layers[0].keys
+    attention = [layer for layer in cache.layers if type(layer) is DynamicLayer]
+    if not attention:  # e.g. Falcon-H1's layers hold attention and Mamba2 state in one object
+        return "no layer of the cache holds keys and values alone"
+    keys = attention[0].keys
     copies = 2 * (groups.row_to_unique.numel() - groups.num_unique) * keys[0].numel() * keys.element_size()
     if copies < MIN_SHARED_PROMPT_BYTES:
         return f"the prompts' copies would hold {copies} bytes per layer (< {MIN_SHARED_PROMPT_BYTES})"

@@ -1,0 +1,63 @@
+"""The shared prefill's cache, handed from its U unique prompt rows to the N decoding rows (`generation.py`).
+
+A transformers 5.25 `DynamicCache` holds one layer object per decoder layer; the prefill fills them for U rows and
+each is expanded to N rows by index (row i gets its prompt's row) before `generate` continues:
+- per-token keys and values (`DynamicLayer`, `DynamicSlidingWindowLayer`): `batch_select_indices`, transformers' own;
+- a recurrent layer's state (`LinearAttentionLayer`: Gated DeltaNet, Kimi Delta Attention and Mamba2 conv and SSM
+  states, LFM2's short-convolution window; `LinearAttentionAndFullAttentionLayer`, Falcon-H1's Mamba2 beside
+  attention in one layer, and its sliding-window twin): `reorder_cache`, transformers' own beam-search reorder, an
+  `index_select` of every initialized conv and recurrent state (and of a hybrid layer's keys and values). Their
+  `batch_select_indices` would not do: `LinearAttentionLayer` has none, and the hybrid layers inherit
+  `DynamicLayer`'s, which leaves the recurrent states at U rows. The flags the mixers read stay as the prefill left
+  them: `has_previous_state` (per state: the next call is a continuation, so a one-token step takes the recurrent /
+  conv-update path) and the token count `cumulative_length_linear` (the past length `generate` reads when layer 0
+  is recurrent). Each row gets its own copy: the states diverge at the first decoded token (the saving is the
+  prefill's compute, not the states' memory);
+- `DummyLayer` (a layer without cache: NemotronH's MLP and MoE layers): nothing.
+
+Any other layer type (quantized, static, offloaded, indexed) is not expanded: `unexpandable_layers` names it and the
+caller runs transformers' own generate instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
+
+# exact types (a subclass may hold more than its base's method copies)
+KEY_VALUE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+RECURRENT_LAYERS = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                    LinearAttentionAndSlidingWindowAttentionLayer)
+EXPANDABLE_LAYERS = (*KEY_VALUE_LAYERS, *RECURRENT_LAYERS, DummyLayer)
+
+
+def unexpandable_layers(layers) -> list[str]:
+    """The sorted names of the layer types in `layers` that `expand_rows` does not hand to N rows."""
+    return sorted({type(layer).__name__ for layer in layers if type(layer) not in EXPANDABLE_LAYERS})
+
+
+def has_recurrent_state(layers) -> bool:
+    """Whether any of `layers` carries a recurrent (conv or SSM) state."""
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+
+
+def expand_layer(layer, row_to_unique: torch.Tensor) -> None:
+    """Expand one filled layer in place from U rows to N: row i <- row row_to_unique[i] (row_to_unique: [N] long)."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        layer.reorder_cache(row_to_unique)  # every state (and a hybrid layer's keys/values); flags kept
+    else:
+        layer.batch_select_indices(row_to_unique)
+
+
+def recurrent_state_rows(layer) -> set[int]:
+    """The batch sizes of a recurrent layer's initialized states (a check that every state was expanded)."""
+    states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    return {int(s.shape[0]) for s in states if s is not None}
