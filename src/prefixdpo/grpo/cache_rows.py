@@ -17,6 +17,12 @@ each is expanded to N rows by index (row i gets its prompt's row) before `genera
 
 Any other layer type (quantized, static, offloaded, indexed) is not expanded: `unexpandable_layers` names it and the
 caller runs transformers' own generate instead.
+
+A cache of these layers is not enough: the model's recurrent mixers must keep their state in it and continue from it
+as they continue in a longer call. `unshared_mixers` names those that do not, or are untested: the prefill then
+leaves the last prompt column to the first decoding step, so a mixer that reads the 2D padding mask itself (Mamba 1:
+transformers' `MambaForCausalLM` hands it `generate`'s whole [N, P] mask at that step, which it multiplies a one-column
+input by) or keeps its state on the module (RecurrentGemma) would decode from something else.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
+
+from prefixdpo.core.recurrent import SUPPORTED_MIXERS, UNSUPPORTED_MIXERS
 
 # exact types (a subclass may hold more than its base's method copies)
 KEY_VALUE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -57,7 +65,25 @@ def expand_layer(layer, row_to_unique: torch.Tensor) -> None:
         layer.batch_select_indices(row_to_unique)
 
 
-def recurrent_state_rows(layer) -> set[int]:
-    """The batch sizes of a recurrent layer's initialized states (a check that every state was expanded)."""
-    states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
-    return {int(s.shape[0]) for s in states if s is not None}
+# recurrent mixers whose shared prefill is tested equal to plain generation (tests/test_hybrid_generation.py, a tiny
+# model of each family in `prefixdpo_tools.hybrid_models`): every mixer prefix sharing runs (`core.recurrent`), and
+# Jamba's Mamba 1, which reads the mask cut to its columns (`create_recurrent_attention_mask`)
+PREFILL_MIXERS = frozenset([*SUPPORTED_MIXERS, "JambaMambaMixer"])
+_MIXER_REASONS = {
+    "MambaMixer": "multiplies its input by generate's whole 2D padding mask at a one-column step after a prefilled "
+                  "cache (its model does not cut the mask)",
+    "FalconMambaMixer": "multiplies its input by generate's whole 2D padding mask at a one-column step after a "
+                        "prefilled cache (its model does not cut the mask)",
+    "RecurrentGemmaRecurrentBlock": "keeps its convolution and RG-LRU states on the module, not in the cache",
+}
+
+
+def unshared_mixers(model: torch.nn.Module) -> dict[str, str]:
+    """{recurrent mixer class name: why} for the mixers of `model` whose states the shared prefill cannot hand on
+    (module doc); {"": why} where the cache holds recurrent states but no mixer of `model` is one prefixdpo knows."""
+    known = SUPPORTED_MIXERS.keys() | UNSUPPORTED_MIXERS.keys() | _MIXER_REASONS.keys()
+    mixers = {type(m).__name__ for m in model.modules() if type(m).__name__ in known}
+    if not mixers:
+        return {"": "its recurrent layers are of no type prefixdpo knows"}
+    return {name: _MIXER_REASONS.get(name, "has no test of the shared prefill against plain generation yet")
+            for name in sorted(mixers - PREFILL_MIXERS)}

@@ -47,7 +47,7 @@ from prefixdpo.core.attention.backends import ATTENTION_NAME
 from prefixdpo.core.attention.pass_plan import decoding_plan
 from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
 from prefixdpo.core.model_checks import base_model, text_config
-from prefixdpo.grpo.cache_rows import expand_layer, has_recurrent_state, unexpandable_layers
+from prefixdpo.grpo.cache_rows import expand_layer, has_recurrent_state, unexpandable_layers, unshared_mixers
 
 # Decoding modes whose steps read nothing but the cache and the ids so far.
 _SHARED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -136,12 +136,25 @@ def why_not_shared(model, generation_config, inputs: dict) -> str | None:
         return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
     if inputs["input_ids"].shape[1] < 2:
         return "the prompts are one column wide (nothing before the last token to prefill)"
-    if has_recurrent_state(layers) and not bool(inputs["attention_mask"][:, -1].all()):
-        # a recurrent layer zeroes padding by the 2D mask only in a multi-token call; the last column decodes alone
-        return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
+    if has_recurrent_state(layers):
+        reason = _why_not_shared_recurrent(base, inputs["attention_mask"])
+        if reason is not None:
+            return reason
     if _draws_random_numbers(model):
         return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
                 "training mode), which depend on the batch shape")
+    return None
+
+
+def _why_not_shared_recurrent(base, attention_mask: torch.Tensor) -> str | None:
+    """Why the prompts' recurrent states cannot be prefilled once (None: they can; `cache_rows`)."""
+    mixers = unshared_mixers(base)
+    if mixers:
+        name, why = next(iter(mixers.items()))
+        return f"{type(base).__name__}'s {name}: {why}" if name else f"{type(base).__name__}: {why}"
+    if not bool(attention_mask[:, -1].all()):
+        # a recurrent layer zeroes padding by the 2D mask only in a multi-column call; the last column decodes alone
+        return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
     return None
 
 
@@ -198,12 +211,16 @@ MIN_SHARED_PROMPT_BYTES = 2 << 20
 def why_not_shared_cache(model, cache: DynamicCache, groups: PromptGroups) -> str | None:
     """Why decoding holds each row's own copy of its prompt's keys and values (None: one copy per prompt,
     `SharedPromptLayer`): only prefixdpo's attention reads a shared prompt; only plain per-token layers hold one (a
-    sliding window would drop prompt columns as decoding moves on); and copies smaller than
+    sliding window would drop prompt columns as decoding moves on; a hybrid's recurrent layers and Falcon-H1's
+    layers of both kinds get their copies); and copies smaller than
     `MIN_SHARED_PROMPT_BYTES` per layer cost less than the merge's extra operations."""
     if getattr(base_model(model).config, "_attn_implementation", None) != ATTENTION_NAME:
         return "the model does not run prefixdpo's attention"
     if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return "the cache has sliding-window layers"
+    if getattr(text_config(base_model(model)), "kv_lora_rank", None):
+        # the attention expands them after the cache update: the keys it gets are not the cached ones
+        return "the cache holds MLA's compressed latents, not the keys the attention reads"
     attention = [layer for layer in cache.layers if type(layer) is DynamicLayer]
     if not attention:  # e.g. Falcon-H1's layers hold attention and Mamba2 state in one object
         return "no layer of the cache holds keys and values alone"
