@@ -268,4 +268,46 @@ def test_why_not_shared_names_each_hybrid_it_cannot_prefill_once():
     assert why_not_shared(qwen, config, inputs) is None
     right = {"input_ids": ids, "attention_mask": mask.flip(1)}
     assert "last column is padding" in why_not_shared(qwen, config, right)
-    assert unshared_mixers(torch.nn.Linear(2, 2)) == {"": "its recurrent layers are of no type prefixdpo knows"}
+    layers = DynamicCache(config=qwen.config).layers
+    assert unshared_mixers(torch.nn.Linear(2, 2), layers) == {"": "its recurrent layers are of no type prefixdpo knows"}
+    assert unshared_mixers(torch.nn.Linear(2, 2), layers[1:2]) == {}  # attention only
+
+
+@pytest.mark.parametrize("prefix_sharing,held_once", [(False, False), (True, False), (True, True)])
+def test_grpo_rollouts_equal_trl_with_each_prompt_prefilled_once(prefix_sharing, held_once, tmp_path, caplog,
+                                                                 monkeypatch):
+    """4 GRPO steps on Qwen3.5 (Gated DeltaNet beside attention), prefix sharing off (TRL's passes) and on (shared
+    lines, the recurrent mixers wrapped): TRL's GRPOTrainer's completions exactly, generated with each prompt's first
+    P - 1 columns prefilled once for its 2 rows (the saving logged every step, no fallback said). held_once: the size
+    rule off, so the policy's attention layers decode over prompts held once beside the expanded recurrent states."""
+    import logging
+
+    from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
+
+    merged = []
+    if held_once:
+        monkeypatch.setattr(generation, "MIN_SHARED_PROMPT_BYTES", 0)
+        attend = SharedPromptLayer.attend
+        monkeypatch.setattr(SharedPromptLayer, "attend",
+                            lambda self, *args: merged.append(attend(self, *args)) or merged[-1])
+
+    from test_grpo_trl_parity import run
+    from test_hybrid_unshared import _hybrid, tokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer
+
+    folder = tmp_path / "qwen3_5_text"
+    _hybrid("qwen3_5_text").save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    options = dict(loss_type="grpo", beta=0.04, num_iterations=1, num_generations=2, per_device_train_batch_size=4)
+    _, theirs, _, _ = run(GRPOTrainer, GRPOConfig, folder, tmp_path / "trl", **options)
+    with caplog.at_level(logging.WARNING, logger="prefixdpo.grpo"):
+        logs, ours, _, _ = run(PrefixGRPOTrainer, PrefixGRPOConfig, folder, tmp_path / "ours",
+                               prefix_sharing=prefix_sharing, **options)
+    assert not [r for r in caplog.records if "shared-prompt generation" in r.getMessage()]
+    assert len(theirs) == 4 and theirs == ours
+    saved = [step["prefix_sharing/prefill_tokens_saved"] for step in logs]
+    print(f"REPORT grpo qwen3_5_text prefix_sharing={prefix_sharing}: prefill tokens saved {saved}")
+    assert len(saved) == 4 and all(s > 0.3 for s in saved)
+    assert (sum(out is not None for out in merged) > 0) == held_once

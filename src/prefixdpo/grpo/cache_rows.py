@@ -28,23 +28,24 @@ input by) or keeps its state on the module (RecurrentGemma) would decode from so
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (
-    DummyLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
+from transformers import cache_utils
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from prefixdpo.core.recurrent import SUPPORTED_MIXERS, UNSUPPORTED_MIXERS
+from prefixdpo.core.recurrent import SUPPORTED_MIXERS, UNSUPPORTED_MIXERS, state_api_supported
+
+
+def _layer_types(*names: str) -> tuple[type, ...]:
+    """The classes of `cache_utils` named, those this transformers has (the linear-attention ones came with 5.25's
+    cache API; an older transformers' hybrids are refused by `unshared_mixers`)."""
+    return tuple(getattr(cache_utils, n) for n in names if hasattr(cache_utils, n))
+
 
 # exact types (a subclass may hold more than its base's method copies)
 KEY_VALUE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-RECURRENT_LAYERS = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
-                    LinearAttentionAndSlidingWindowAttentionLayer)
-EXPANDABLE_LAYERS = (*KEY_VALUE_LAYERS, *RECURRENT_LAYERS, DummyLayer)
+RECURRENT_LAYERS = _layer_types("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer",
+                                "LinearAttentionAndSlidingWindowAttentionLayer")
+EXPANDABLE_LAYERS = (*KEY_VALUE_LAYERS, *RECURRENT_LAYERS, *_layer_types("DummyLayer"))
+_STATE_MIXIN = _layer_types("LinearAttentionCacheLayerMixin")
 
 
 def unexpandable_layers(layers) -> list[str]:
@@ -54,12 +55,12 @@ def unexpandable_layers(layers) -> list[str]:
 
 def has_recurrent_state(layers) -> bool:
     """Whether any of `layers` carries a recurrent (conv or SSM) state."""
-    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+    return bool(_STATE_MIXIN) and any(isinstance(layer, _STATE_MIXIN) for layer in layers)
 
 
 def expand_layer(layer, row_to_unique: torch.Tensor) -> None:
     """Expand one filled layer in place from U rows to N: row i <- row row_to_unique[i] (row_to_unique: [N] long)."""
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
+    if _STATE_MIXIN and isinstance(layer, _STATE_MIXIN):
         layer.reorder_cache(row_to_unique)  # every state (and a hybrid layer's keys/values); flags kept
     else:
         layer.batch_select_indices(row_to_unique)
@@ -78,12 +79,18 @@ _MIXER_REASONS = {
 }
 
 
-def unshared_mixers(model: torch.nn.Module) -> dict[str, str]:
+def unshared_mixers(model: torch.nn.Module, layers) -> dict[str, str]:
     """{recurrent mixer class name: why} for the mixers of `model` whose states the shared prefill cannot hand on
-    (module doc); {"": why} where the cache holds recurrent states but no mixer of `model` is one prefixdpo knows."""
+    (module doc), given its cache's `layers`; {"": why} where the cache holds recurrent states but no mixer of `model`
+    is one prefixdpo knows; {} for a model without either."""
     known = SUPPORTED_MIXERS.keys() | UNSUPPORTED_MIXERS.keys() | _MIXER_REASONS.keys()
     mixers = {type(m).__name__ for m in model.modules() if type(m).__name__ in known}
     if not mixers:
-        return {"": "its recurrent layers are of no type prefixdpo knows"}
+        return {"": "its recurrent layers are of no type prefixdpo knows"} if has_recurrent_state(layers) else {}
+    if not state_api_supported():
+        import transformers
+
+        why = f"transformers {transformers.__version__} hands its states through another cache API than 5.25's"
+        return dict.fromkeys(sorted(mixers), why)
     return {name: _MIXER_REASONS.get(name, "has no test of the shared prefill against plain generation yet")
             for name in sorted(mixers - PREFILL_MIXERS)}

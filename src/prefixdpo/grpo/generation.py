@@ -6,8 +6,9 @@ row (token ids *and* padding, so identical rows only: what TRL's copies of one p
 
 1. the U unique rows' first P - 1 columns run one no-grad forward into a `DynamicCache` (the prompt's KV computed
    once: U x (P - 1) tokens instead of N x P);
-2. the cache is expanded to the N rows by index (`Cache.batch_select_indices`, transformers' own method: row i gets
-   its prompt's keys and values);
+2. the cache is expanded to the N rows by index (`cache_rows`: transformers' own `batch_select_indices`, or, for a
+   hybrid's recurrent layers, `reorder_cache`: row i gets its prompt's keys and values, or its conv and recurrent
+   states, with the layer's flags that a previous state exists);
 3. transformers' own `generate` then runs on TRL's N rows with that cache: it computes only the uncached column
    (each row's last prompt token) and the new tokens, with TRL's `GenerationConfig` untouched (sampling,
    temperature, top-p/k, min-p, repetition penalty over the full prompt ids, EOS and padding of finished rows).
@@ -25,10 +26,20 @@ prompt with its G rows' queries side by side, merged with each row's own columns
 Hydragen attention; exact up to rounding). Elsewhere (stock attention, sliding-window layers) the cache is
 expanded to N copies by index, as TRL's holds.
 
+Hybrids (Gated DeltaNet, short convolutions, Mamba2 beside attention: transformers' `LinearAttentionLayer` and
+Falcon-H1's `LinearAttentionAndFullAttentionLayer` caches) share the prefill: each row gets its own copy of its
+prompt's recurrent states (they diverge at the first new token, so the saving is the prefill's compute, not the
+states' memory), and the last prompt column then runs through the mixers' one-column decode path (conv update,
+recurrent step) where TRL's runs it inside the chunked prefill: the same math, logits equal to rounding
+(tests/test_hybrid_generation.py). Their attention layers hold prompts once as above, except Falcon-H1's (attention
+and Mamba2 state in one layer object) and MLA's (Kimi Linear: the cache holds latents), which get a copy per row.
+
 Where this cannot be exact it is not used, and the reason is returned (`why_not_shared`): a model or cache whose
-state is not per-token keys and values (linear attention, quantized or static caches), a prompt longer than a
-sliding window, beam search or assisted decoding, inputs besides token ids (images), a forward that draws random
-numbers (dropout or MoE router jitter in training mode).
+state is neither per-token keys and values nor a linear-attention layer's (quantized, static or indexed caches), a
+recurrent mixer that keeps its state outside the cache or reads the whole padding mask at a one-column step
+(`cache_rows.unshared_mixers`: Mamba's and FalconMamba's mixers, RecurrentGemma's, ones not tested yet), right
+padding on a hybrid, a prompt longer than a sliding window, beam search or assisted decoding, inputs besides token
+ids (images), a forward that draws random numbers (dropout or MoE router jitter in training mode).
 """
 
 from __future__ import annotations
@@ -136,23 +147,22 @@ def why_not_shared(model, generation_config, inputs: dict) -> str | None:
         return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
     if inputs["input_ids"].shape[1] < 2:
         return "the prompts are one column wide (nothing before the last token to prefill)"
-    if has_recurrent_state(layers):
-        reason = _why_not_shared_recurrent(base, inputs["attention_mask"])
-        if reason is not None:
-            return reason
+    reason = _why_not_shared_recurrent(base, layers, inputs["attention_mask"])
+    if reason is not None:
+        return reason
     if _draws_random_numbers(model):
         return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
                 "training mode), which depend on the batch shape")
     return None
 
 
-def _why_not_shared_recurrent(base, attention_mask: torch.Tensor) -> str | None:
-    """Why the prompts' recurrent states cannot be prefilled once (None: they can; `cache_rows`)."""
-    mixers = unshared_mixers(base)
+def _why_not_shared_recurrent(base, layers, attention_mask: torch.Tensor) -> str | None:
+    """Why the prompts' recurrent states cannot be prefilled once (None: they can, or there are none; `cache_rows`)."""
+    mixers = unshared_mixers(base, layers)
     if mixers:
         name, why = next(iter(mixers.items()))
         return f"{type(base).__name__}'s {name}: {why}" if name else f"{type(base).__name__}: {why}"
-    if not bool(attention_mask[:, -1].all()):
+    if has_recurrent_state(layers) and not bool(attention_mask[:, -1].all()):
         # a recurrent layer zeroes padding by the 2D mask only in a multi-column call; the last column decodes alone
         return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
     return None
@@ -160,7 +170,8 @@ def _why_not_shared_recurrent(base, attention_mask: torch.Tensor) -> str | None:
 
 @dataclass
 class PrefillCount:
-    """Prompt tokens prefilled: what TRL's generate would (every real prompt token of every row) and what ran."""
+    """Prompt tokens prefilled: what TRL's generate would (every real prompt token of every row) and what ran. The
+    same for a hybrid: its recurrent layers run the tokens its attention layers run."""
 
     trl_tokens: int = 0
     ran_tokens: int = 0
