@@ -139,6 +139,20 @@ def test_greedy_generation_equals_plain_generate(family, expanded_layers):
     assert route.count.ran_tokens == int(mask[:3, :-1].sum()) + ids.shape[0] < route.count.trl_tokens
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "falcon_h1"])
+def test_a_one_token_prompt_prefills_from_padding_only(family):
+    """Prompts of 3 and 1 tokens: the one-token prompt's two prefilled columns are padding, which the recurrent
+    layers zero by the 2D mask (its state stays the zero state), then its one token decodes from it."""
+    model = tiny_hybrid_lm(family)
+    ids, mask = prompt_batch(lengths=(3, 1), copies=2)
+    plain, shared, _, route = both_ways(model, ids, mask, greedy_config())
+    diff, margin = differences(plain, shared)
+    scale = logit_scale(model, plain.sequences, mask)
+    assert diff <= K_FORWARD * EPS32 * scale and margin > 2 * K_FORWARD * EPS32 * scale, (diff, margin, scale)
+    assert torch.equal(plain.sequences, shared.sequences)
+    assert route.count.ran_tokens == 2 + ids.shape[0]  # the 3-token prompt's first 2, then every row's last
+
+
 @pytest.mark.parametrize("family,dtype", [("lfm2", torch.float64), ("qwen3_5_text", torch.float32),
                                           ("nemotron_h", torch.float32)])
 def test_sampled_generation_equals_plain_generate(family, dtype):
@@ -268,6 +282,10 @@ def test_why_not_shared_names_each_hybrid_it_cannot_prefill_once():
     assert why_not_shared(qwen, config, inputs) is None
     right = {"input_ids": ids, "attention_mask": mask.flip(1)}
     assert "last column is padding" in why_not_shared(qwen, config, right)
+    # measured before this refusal: prompts of 2 and 1 tokens generated other tokens (logits ~7 apart)
+    short_ids, short_mask = prompt_batch(lengths=(2, 1))
+    assert "one-column prefill of 2-column prompts holds padding" in why_not_shared(
+        qwen, config, {"input_ids": short_ids, "attention_mask": short_mask})
     layers = DynamicCache(config=qwen.config).layers
     assert unshared_mixers(torch.nn.Linear(2, 2), layers) == {"": "its recurrent layers are of no type prefixdpo knows"}
     assert unshared_mixers(torch.nn.Linear(2, 2), layers[1:2]) == {}  # attention only

@@ -38,7 +38,8 @@ Where this cannot be exact it is not used, and the reason is returned (`why_not_
 state is neither per-token keys and values nor a linear-attention layer's (quantized, static or indexed caches), a
 recurrent mixer that keeps its state outside the cache or reads the whole padding mask at a one-column step
 (`cache_rows.unshared_mixers`: Mamba's and FalconMamba's mixers, RecurrentGemma's, ones not tested yet), right
-padding on a hybrid, a prompt longer than a sliding window, beam search or assisted decoding, inputs besides token
+padding on a hybrid or padding in its one-column prefill (2-column prompts: transformers masks no recurrent layer's
+one-column call), a prompt longer than a sliding window, beam search or assisted decoding, inputs besides token
 ids (images), a forward that draws random numbers (dropout or MoE router jitter in training mode).
 """
 
@@ -162,9 +163,15 @@ def _why_not_shared_recurrent(base, layers, attention_mask: torch.Tensor) -> str
     if mixers:
         name, why = next(iter(mixers.items()))
         return f"{type(base).__name__}'s {name}: {why}" if name else f"{type(base).__name__}: {why}"
-    if has_recurrent_state(layers) and not bool(attention_mask[:, -1].all()):
-        # a recurrent layer zeroes padding by the 2D mask only in a multi-column call; the last column decodes alone
+    if not has_recurrent_state(layers):
+        return None
+    # a recurrent layer zeroes padding by the 2D mask only in a call of two or more columns
+    # (`create_recurrent_attention_mask`): the last column decodes alone, and so would a one-column prefill
+    if not bool(attention_mask[:, -1].all()):
         return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
+    if attention_mask.shape[1] == 2 and not bool(attention_mask[:, 0].all()):
+        return (f"{type(base).__name__} has recurrent layers and the one-column prefill of 2-column prompts holds "
+                "padding (a one-column call is not masked)")
     return None
 
 
