@@ -49,7 +49,7 @@ _STATE_MIXIN = _layer_types("LinearAttentionCacheLayerMixin")
 
 
 def unexpandable_layers(layers) -> list[str]:
-    """The sorted names of the layer types in `layers` that `expand_rows` does not hand to N rows."""
+    """The sorted names of the layer types in `layers` that `expand_layer` does not hand to N rows."""
     return sorted({type(layer).__name__ for layer in layers if type(layer) not in EXPANDABLE_LAYERS})
 
 

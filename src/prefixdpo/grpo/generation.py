@@ -192,7 +192,8 @@ class PrefillCount:
 def prefill_shared_prompts(model, groups: PromptGroups) -> DynamicCache:
     """Run the unique rows' first P - 1 columns through `model` (no grad) and return their cache for the N rows:
     per layer the U prompts' [U, heads, P - 1, head_dim] keys and values held once (`SharedPromptLayer`), or,
-    where that cannot run (`why_not_shared_cache`), expanded to [N, heads, P - 1, head_dim] by index.
+    where that cannot run (`why_not_shared_cache`), expanded to [N, heads, P - 1, head_dim] by index; a recurrent
+    layer's conv and recurrent states [U, ...] expanded to [N, ...] by index (`cache_rows.expand_layer`).
 
     The inputs are those `generate` gives its own prefill (its `prepare_inputs_for_generation`): positions from the
     padding mask's running count (0 at padding), the mask dropped where no row is padded."""
