@@ -6,8 +6,9 @@ row (token ids *and* padding, so identical rows only: what TRL's copies of one p
 
 1. the U unique rows' first P - 1 columns run one no-grad forward into a `DynamicCache` (the prompt's KV computed
    once: U x (P - 1) tokens instead of N x P);
-2. the cache is expanded to the N rows by index (`Cache.batch_select_indices`, transformers' own method: row i gets
-   its prompt's keys and values);
+2. the cache is expanded to the N rows by index (`cache_rows`: transformers' own `batch_select_indices`, or, for a
+   hybrid's recurrent layers, `reorder_cache`: row i gets its prompt's keys and values, or its conv and recurrent
+   states, with the layer's flags that a previous state exists);
 3. transformers' own `generate` then runs on TRL's N rows with that cache: it computes only the uncached column
    (each row's last prompt token) and the new tokens, with TRL's `GenerationConfig` untouched (sampling,
    temperature, top-p/k, min-p, repetition penalty over the full prompt ids, EOS and padding of finished rows).
@@ -25,10 +26,21 @@ prompt with its G rows' queries side by side, merged with each row's own columns
 Hydragen attention; exact up to rounding). Elsewhere (stock attention, sliding-window layers) the cache is
 expanded to N copies by index, as TRL's holds.
 
+Hybrids (Gated DeltaNet, short convolutions, Mamba2 beside attention: transformers' `LinearAttentionLayer` and
+Falcon-H1's `LinearAttentionAndFullAttentionLayer` caches) share the prefill: each row gets its own copy of its
+prompt's recurrent states (they diverge at the first new token, so the saving is the prefill's compute, not the
+states' memory), and the last prompt column then runs through the mixers' one-column decode path (conv update,
+recurrent step) where TRL's runs it inside the chunked prefill: the same math, logits equal to rounding
+(tests/test_hybrid_generation.py). Their attention layers hold prompts once as above, except Falcon-H1's (attention
+and Mamba2 state in one layer object) and MLA's (Kimi Linear: the cache holds latents), which get a copy per row.
+
 Where this cannot be exact it is not used, and the reason is returned (`why_not_shared`): a model or cache whose
-state is not per-token keys and values (linear attention, quantized or static caches), a prompt longer than a
-sliding window, beam search or assisted decoding, inputs besides token ids (images), a forward that draws random
-numbers (dropout or MoE router jitter in training mode).
+state is neither per-token keys and values nor a linear-attention layer's (quantized, static or indexed caches), a
+recurrent mixer that keeps its state outside the cache or reads the whole padding mask at a one-column step
+(`cache_rows.unshared_mixers`: Mamba's and FalconMamba's mixers, RecurrentGemma's, ones not tested yet), right
+padding on a hybrid or padding in its one-column prefill (2-column prompts: transformers masks no recurrent layer's
+one-column call), a prompt longer than a sliding window, beam search or assisted decoding, inputs besides token
+ids (images), a forward that draws random numbers (dropout or MoE router jitter in training mode).
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from prefixdpo.core.attention.backends import ATTENTION_NAME
 from prefixdpo.core.attention.pass_plan import decoding_plan
 from prefixdpo.core.attention.shared_prompt import SharedPromptLayer
 from prefixdpo.core.model_checks import base_model, text_config
+from prefixdpo.grpo.cache_rows import expand_layer, has_recurrent_state, unexpandable_layers, unshared_mixers
 
 # Decoding modes whose steps read nothing but the cache and the ids so far.
 _SHARED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -125,24 +138,47 @@ def why_not_shared(model, generation_config, inputs: dict) -> str | None:
     if not base._supports_default_dynamic_cache() or cache_kwarg(model) is None:
         return f"{type(base).__name__} does not take a DynamicCache"
     layers = DynamicCache(config=text_config(base)).layers
-    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"})
-        return f"{type(base).__name__}'s cache holds {', '.join(kinds)} (not per-token keys and values)"
+    kinds = unexpandable_layers(layers)
+    if kinds:
+        return (f"{type(base).__name__}'s cache holds {', '.join(kinds)} (neither per-token keys and values nor a "
+                "linear-attention state)")
     window = min((layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)),
                  default=None)
     if window is not None and inputs["input_ids"].shape[1] > window:
         return f"prompts of {inputs['input_ids'].shape[1]} columns exceed the sliding window of {window}"
     if inputs["input_ids"].shape[1] < 2:
         return "the prompts are one column wide (nothing before the last token to prefill)"
+    reason = _why_not_shared_recurrent(base, layers, inputs["attention_mask"])
+    if reason is not None:
+        return reason
     if _draws_random_numbers(model):
         return ("the model draws random numbers in its forward during generation (dropout or router jitter in "
                 "training mode), which depend on the batch shape")
     return None
 
 
+def _why_not_shared_recurrent(base, layers, attention_mask: torch.Tensor) -> str | None:
+    """Why the prompts' recurrent states cannot be prefilled once (None: they can, or there are none; `cache_rows`)."""
+    mixers = unshared_mixers(base, layers)
+    if mixers:
+        name, why = next(iter(mixers.items()))
+        return f"{type(base).__name__}'s {name}: {why}" if name else f"{type(base).__name__}: {why}"
+    if not has_recurrent_state(layers):
+        return None
+    # a recurrent layer zeroes padding by the 2D mask only in a call of two or more columns
+    # (`create_recurrent_attention_mask`): the last column decodes alone, and so would a one-column prefill
+    if not bool(attention_mask[:, -1].all()):
+        return f"{type(base).__name__} has recurrent layers and a prompt's last column is padding (right padding)"
+    if attention_mask.shape[1] == 2 and not bool(attention_mask[:, 0].all()):
+        return (f"{type(base).__name__} has recurrent layers and the one-column prefill of 2-column prompts holds "
+                "padding (a one-column call is not masked)")
+    return None
+
+
 @dataclass
 class PrefillCount:
-    """Prompt tokens prefilled: what TRL's generate would (every real prompt token of every row) and what ran."""
+    """Prompt tokens prefilled: what TRL's generate would (every real prompt token of every row) and what ran. The
+    same for a hybrid: its recurrent layers run the tokens its attention layers run."""
 
     trl_tokens: int = 0
     ran_tokens: int = 0
@@ -156,7 +192,8 @@ class PrefillCount:
 def prefill_shared_prompts(model, groups: PromptGroups) -> DynamicCache:
     """Run the unique rows' first P - 1 columns through `model` (no grad) and return their cache for the N rows:
     per layer the U prompts' [U, heads, P - 1, head_dim] keys and values held once (`SharedPromptLayer`), or,
-    where that cannot run (`why_not_shared_cache`), expanded to [N, heads, P - 1, head_dim] by index.
+    where that cannot run (`why_not_shared_cache`), expanded to [N, heads, P - 1, head_dim] by index; a recurrent
+    layer's conv and recurrent states [U, ...] expanded to [N, ...] by index (`cache_rows.expand_layer`).
 
     The inputs are those `generate` gives its own prefill (its `prepare_inputs_for_generation`): positions from the
     padding mask's running count (0 at padding), the mask dropped where no row is padded."""
@@ -172,11 +209,12 @@ def prefill_shared_prompts(model, groups: PromptGroups) -> DynamicCache:
         inputs["logits_to_keep"] = 1  # the prefill's logits are not used; one position keeps the head cheap
     with torch.no_grad():
         model(**inputs)
-    if why_not_shared_cache(model, cache, groups) is None:
-        cache.layers = [SharedPromptLayer(layer.keys, layer.values, mask, groups.row_to_unique)
-                        for layer in cache.layers]
-    else:
-        cache.batch_select_indices(groups.row_to_unique)
+    held_once = why_not_shared_cache(model, cache, groups) is None
+    for i, layer in enumerate(cache.layers):
+        if held_once and type(layer) is DynamicLayer:
+            cache.layers[i] = SharedPromptLayer(layer.keys, layer.values, mask, groups.row_to_unique)
+        else:  # keys and values, or a recurrent layer's states, a copy per row (`cache_rows`)
+            expand_layer(layer, groups.row_to_unique)
     return cache
 
 
@@ -192,13 +230,20 @@ MIN_SHARED_PROMPT_BYTES = 2 << 20
 def why_not_shared_cache(model, cache: DynamicCache, groups: PromptGroups) -> str | None:
     """Why decoding holds each row's own copy of its prompt's keys and values (None: one copy per prompt,
     `SharedPromptLayer`): only prefixdpo's attention reads a shared prompt; only plain per-token layers hold one (a
-    sliding window would drop prompt columns as decoding moves on); and copies smaller than
+    sliding window would drop prompt columns as decoding moves on; a hybrid's recurrent layers and Falcon-H1's
+    layers of both kinds get their copies); and copies smaller than
     `MIN_SHARED_PROMPT_BYTES` per layer cost less than the merge's extra operations."""
     if getattr(base_model(model).config, "_attn_implementation", None) != ATTENTION_NAME:
         return "the model does not run prefixdpo's attention"
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return "the cache has sliding-window layers"
-    keys = cache.layers[0].keys
+    if getattr(text_config(base_model(model)), "kv_lora_rank", None):
+        # the attention expands them after the cache update: the keys it gets are not the cached ones
+        return "the cache holds MLA's compressed latents, not the keys the attention reads"
+    attention = [layer for layer in cache.layers if type(layer) is DynamicLayer]
+    if not attention:  # e.g. Falcon-H1's layers hold attention and Mamba2 state in one object
+        return "no layer of the cache holds keys and values alone"
+    keys = attention[0].keys
     copies = 2 * (groups.row_to_unique.numel() - groups.num_unique) * keys[0].numel() * keys.element_size()
     if copies < MIN_SHARED_PROMPT_BYTES:
         return f"the prompts' copies would hold {copies} bytes per layer (< {MIN_SHARED_PROMPT_BYTES})"

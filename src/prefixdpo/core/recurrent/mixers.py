@@ -2,7 +2,9 @@
 
 `install(module)` replaces the module's `forward` (an instance attribute; the class's stays untouched) with a wrapper
 that keeps the stock call when no plan comes with it, so generation, the stock reference passes of `verify` and every
-caller that does not pass `pass_plan=` see the model unchanged.
+caller that does not pass `pass_plan=` see the model unchanged. A decoding plan (`pass_plan.decoding_plan`: GRPO's
+decoding over prompts held once, whose plan every layer receives) is for the attention layers: the mixer runs its
+stock forward over the cache then too.
 
 With `pass_plan=` (an object whose `spans` is [B, L, 2] long, `data.lines`), the mixer's own forward runs once per
 group of calls (`calls.plan_calls`, stacked as a batch): a root group from no state (the
@@ -127,7 +129,9 @@ def _stock_forward(module):
 def _recurrent_forward(self, hidden_states, *args, **kwargs):
     """The forward of a wrapped mixer `self`: its stock forward without a plan, else run by run (`run_forward`)."""
     plan = kwargs.pop("pass_plan", None)
-    if plan is None:
+    # a decoding step over prompts held once (`pass_plan.decoding_plan`) concerns attention only: the mixer decodes
+    # from its cache, stock
+    if plan is None or getattr(plan, "shared_prompt", None) is not None:
         return _stock_forward(self)(hidden_states, *args, **kwargs)
     cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("cache_params", None)
     if args or cache is not None:
