@@ -100,23 +100,30 @@ def bench_section(backends: list[str], device: str, deadline: float, *, shape: M
                 results.append(CheckResult("grpo bench", name, "error", f"{type(err).__name__}: {err}"[:300]))
             log(f"  grpo bench {results[-1].name}: {results[-1].status} {results[-1].detail}")
     if first is not None and time.monotonic() < deadline:
-        r, work, backend = first
-        name = f"whole step {r.name}"
-        try:
-            fresh_compile_state()
-            trainer.change_settings(attention=backend)
-            reward_model, _ = build_reward_model(shape, device=device, dtype=dtype, backend=backend)
-            w = time_whole_step(trainer, reward_model, r, work, shape, device=device, backend=backend,
-                                repeats=repeats, warmup=warmup, pad_id=int(reward_model.config.pad_token_id))
-            seconds = {p: (v.trl, v.ours) for p, v in w.phases.items()}
-            detail = (" / ".join(f"{p} {a:.3f}->{b:.3f}" for p, (a, b) in seconds.items())
-                      + f" s; whole step {w.speedup:.2f}x (ideal {w.ideals['whole_step']:.2f}); generation share "
-                      f"{w.share('generation', 'trl'):.0%} -> {w.share('generation', 'ours'):.0%}; same tokens "
-                      f"{w.same_tokens:.0%}")
-            results.append(CheckResult("grpo bench", name, "ok", detail,
-                                       {"seconds": seconds, "speedup": w.speedup, "ideals": w.ideals,
-                                        "share_trl": w.share("generation", "trl"), "same_tokens": w.same_tokens}))
-        except Exception as err:  # noqa: BLE001
-            results.append(CheckResult("grpo bench", name, "error", f"{type(err).__name__}: {err}"[:300]))
+        results.append(_whole_step_result(trainer, first, shape, device, dtype, repeats=repeats, warmup=warmup))
         log(f"  grpo bench {results[-1].name}: {results[-1].status} {results[-1].detail}")
     return results
+
+
+def _whole_step_result(trainer, first, shape: ModelShape, device: str, dtype, *, repeats: int,
+                       warmup: int) -> CheckResult:
+    """One whole GRPO step (generation, rewards, passes) timed against TRL's on the first profile that ran
+    (`first`: its result, rollouts and backend)."""
+    r, work, backend = first
+    name = f"whole step {r.name}"
+    try:
+        fresh_compile_state()
+        trainer.change_settings(attention=backend)
+        reward_model, _ = build_reward_model(shape, device=device, dtype=dtype, backend=backend)
+        w = time_whole_step(trainer, reward_model, r, work, shape, device=device, backend=backend,
+                            repeats=repeats, warmup=warmup, pad_id=int(reward_model.config.pad_token_id))
+        seconds = {p: (v.trl, v.ours) for p, v in w.phases.items()}
+        detail = (" / ".join(f"{p} {a:.3f}->{b:.3f}" for p, (a, b) in seconds.items())
+                  + f" s; whole step {w.speedup:.2f}x (ideal {w.ideals['whole_step']:.2f}); generation share "
+                  f"{w.share('generation', 'trl'):.0%} -> {w.share('generation', 'ours'):.0%}; same tokens "
+                  f"{w.same_tokens:.0%}")
+        return CheckResult("grpo bench", name, "ok", detail,
+                           {"seconds": seconds, "speedup": w.speedup, "ideals": w.ideals,
+                            "share_trl": w.share("generation", "trl"), "same_tokens": w.same_tokens})
+    except Exception as err:  # noqa: BLE001
+        return CheckResult("grpo bench", name, "error", f"{type(err).__name__}: {err}"[:300])
