@@ -30,8 +30,9 @@ from transformers import DynamicCache, GenerationConfig
 
 from prefixdpo.grpo import generation
 from prefixdpo.grpo.cache_rows import RECURRENT_LAYERS, unshared_mixers
-from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed, group_prompt_rows, why_not_shared
+from prefixdpo.grpo.generation import group_prompt_rows, why_not_shared
 from prefixdpo_tools.hybrid_models import HYBRID_FAMILIES, tiny_hybrid_lm
+from test_grpo_generation import both_ways  # (plain, shared, rng state after each, route)
 from tolerances import EPS32, EPS64, K_FORWARD
 
 RECURRENT_FAMILIES = [f for f in HYBRID_FAMILIES if f != "gpt_oss"]
@@ -55,20 +56,6 @@ def greedy_config(new_tokens: int = 8, **overrides) -> GenerationConfig:
     options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
                    return_dict_in_generate=True, output_logits=True)
     return GenerationConfig(**{**options, **overrides})
-
-
-def both_ways(model, ids, mask, config, seed=1):
-    """(plain, shared, rng state after each, route): transformers' generate, and the routed one."""
-    notes = []
-    route = SharedPromptRoute(notes.append)
-    torch.manual_seed(seed)
-    plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    plain_rng = torch.get_rng_state()
-    torch.manual_seed(seed)
-    with generate_routed(model, route):
-        shared = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert notes == []  # it really shared
-    return plain, shared, (plain_rng, torch.get_rng_state()), route
 
 
 def logit_scale(model, sequences, mask) -> float:
