@@ -150,6 +150,14 @@ def test_reward_grpo_and_rloo_run_with_prefix_sharing_off(command, family, saved
     assert run_cli(command, saved(family), tmp_path / "out", "--prefix_sharing", "false") == 0
 
 
+@pytest.mark.parametrize("command,family", [("reward", "qwen3_5_text"), ("reward", "gpt_oss"), ("grpo", "lfm2"),
+                                            ("rloo", "nemotron_h"), ("grpo", "gpt_oss")])
+def test_reward_grpo_and_rloo_run_with_prefix_sharing_on(command, family, saved, tmp_path):
+    """The shared passes (recurrent runs from their prompt's states, sinks and windows on the dense mask) and, for
+    grpo/rloo, the shared prefill of generation, through the command line."""
+    assert run_cli(command, saved(family), tmp_path / "out") == 0
+
+
 def test_a_family_without_a_classifier_is_refused_as_a_reward_model_in_one_line(saved, tmp_path, capsys):
     folder = saved("lfm2")
     assert run_cli("reward", folder, tmp_path / "out", "--prefix_sharing", "false") == 2
