@@ -138,6 +138,14 @@ def test_train_runs_every_recurrent_family_with_prefix_sharing_on(family, saved,
     assert run_cli("train", saved(family), tmp_path / "out", "--packing", "true") == 0
 
 
+@pytest.mark.parametrize("options", [("--precompute_ref_log_probs", "true"),
+                                     ("--prefix_tree", "true", "--packing", "true"),
+                                     ("--prefix_reuse", "true", "--max_tokens_per_pass", "24"),
+                                     ("--loss_type", "ipo", "--group_by_prompt", "true")])
+def test_reference_strategies_tries_and_prefix_reuse_run_on_a_hybrid_with_prefix_sharing_on(options, saved, tmp_path):
+    assert run_cli("train", saved("qwen3_5_text"), tmp_path / "out", *options) == 0
+
+
 def test_precomputed_reference_runs_unshared_rows(saved, tmp_path):
     # the reference table's batches are laid out as the run's (one padded row per response), not shared
     assert run_cli("train", saved("lfm2"), tmp_path / "out", "--prefix_sharing", "false",
