@@ -18,10 +18,10 @@ from collections.abc import Mapping
 
 from prefixdpo.core.fit import Batches
 from prefixdpo.data.inputs import as_examples
+from prefixdpo.data.loader import MicroBatch
 from prefixdpo.dpo.config import PrefixDPOConfig
 from prefixdpo.dpo.config import data_options as default_data_options
 from prefixdpo.dpo.reference import build_reference
-from prefixdpo.data.loader import MicroBatch
 from prefixdpo.dpo.step import DPOMetricSums, DPOStep, StepInputs
 from prefixdpo.training.base import PrefixTrainerBase
 from prefixdpo.training.model_setup import prepare_policy

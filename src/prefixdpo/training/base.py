@@ -9,6 +9,9 @@
   accumulation steps again: every step's gradient is that of the mean pair loss of the step;
 - evaluation weighs every pair equally (Trainer's loop would concatenate logits per batch);
 - logging: pairs (not micro-batches) as samples, the subclass's metric sums reduced over ranks;
+- the run's prefix sharing: one `sharing_run.SharingRun` (`sharing`: the pass backend, the sequence-parallel group
+  and the data-parallel rank and world the loaders deal to, prefix reuse's budget), built once after
+  `Trainer.__init__` and handed explicitly to what reads it (a method's step);
 - engines: a requested FSDP applied (also on CPU) or refused (`engines.py`); an export is always a whole
   model that stock `from_pretrained` loads;
 - runs that survive, non-finite steps and exports (`survival.SurvivingRun`, shared with the GRPO/RLOO
