@@ -168,3 +168,40 @@ def test_said_once_is_the_run_components_and_the_group_notes_reexport_it():
 
     assert grpo_said_once is SaidOnce
     assert isinstance(SaidOnce(logging.getLogger("x")).said, set)
+
+
+def test_a_dpo_trainer_and_its_step_hold_one_run_component(tmp_path):
+    """(~2 s) The DPO trainer's step reads the trainer's own `SharingRun`; the loaders read its backend."""
+    from conftest import make_examples, tiny_model
+    from test_trainer import config
+
+    from prefixdpo import PrefixDPOTrainer
+    from prefixdpo.training.sharing_run import SharingRun
+
+    trainer = PrefixDPOTrainer(model=tiny_model("llama"), args=config(tmp_path), train_dataset=make_examples(4))
+    assert isinstance(trainer.sharing, SharingRun) and trainer.step.sharing is trainer.sharing
+    assert trainer.sharing.backend == "sdpa" and trainer.sharing.sequence_parallel is None
+    assert trainer._loader_settings(train=True).bucket is False  # sdpa: no bucketing (flex would bucket)
+    assert trainer.coupling is trainer.step.coupling
+
+
+def test_a_group_trainer_and_its_components_hold_one_run_component(tmp_path):
+    """(~2 s) The GRPO trainer's passes, generation and scoring read the trainer's own `SharingRun`; changing the
+    attention setting changes the backend they run."""
+    from grpo_common import prompt_dataset, reward_vowels, tiny_causal_lm, tokenizer
+
+    from prefixdpo.grpo import PrefixGRPOConfig, PrefixGRPOTrainer
+    from prefixdpo.grpo.run_notes import SharingCounts
+
+    args = PrefixGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                            max_completion_length=8, use_cpu=True, bf16=False, report_to="none")
+    trainer = PrefixGRPOTrainer(model=tiny_causal_lm(), reward_funcs=reward_vowels, args=args,
+                                train_dataset=prompt_dataset(4), processing_class=tokenizer())
+    sharing = trainer.sharing
+    assert trainer.passes.sharing is sharing and trainer.generation.sharing is sharing
+    assert trainer.scoring.sharing is sharing and isinstance(sharing.counts, SharingCounts)
+    assert sharing.tokens_per_pass is None  # no prefix reuse asked
+    # the option as the model runs it, resolved for each pass's device and grad mode: auto is sdpa on CPU
+    assert sharing.backend == "auto" and sharing.backend_for("cpu", needs_grad=True) == "sdpa"
+    trainer.change_settings(attention="segmented")
+    assert sharing.backend == "segmented" == trainer.group_settings.attention
