@@ -228,7 +228,7 @@ def test_a_pass_over_rows_of_equal_content_reuses_the_layout_and_its_masks(tmp_p
     def run(ids, mask, batch_size=None):
         with torch.no_grad():
             out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, K, batch_size)[0]
-        return out, trainer._last_layout.lines
+        return out, trainer.passes.last_layout.lines
 
     logps, lines = run(input_ids, attention_mask)
     assert len(lines.masks) == 1

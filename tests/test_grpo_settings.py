@@ -76,7 +76,7 @@ def test_the_layout_cache_is_keyed_by_named_fields(tmp_path):
     mask = torch.ones_like(ids)
     with torch.no_grad():
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
-    key = trainer._last_layout.key
+    key = trainer.passes.last_layout.key
     assert isinstance(key, LayoutKey)
     assert key._asdict() == dict(logits_to_keep=4, positions_from_mask=False, packing=True, pack_length="auto",
                                  bucketed=False, tokens_per_pass=None, shards=1)

@@ -95,10 +95,10 @@ def _completions_see_each_other(lines):
 
 @pytest.mark.parametrize("fault", [_positions_running_on, _completions_see_each_other])
 def test_verify_grpo_fails_when_the_shared_pass_is_broken(saved_models, fault, monkeypatch, capsys):
-    import prefixdpo.grpo.trainer as trainer_module
+    import prefixdpo.grpo.passes as passes_module
 
-    layout = trainer_module.layout_groups
-    monkeypatch.setattr(trainer_module, "layout_groups", lambda *a, **kw: fault(layout(*a, **kw)))
+    layout = passes_module.layout_groups
+    monkeypatch.setattr(passes_module, "layout_groups", lambda *a, **kw: fault(layout(*a, **kw)))
     assert main(["verify", "--task", "grpo", "--model", saved_models["llama"]]) == 1
     out = capsys.readouterr().out
     assert "FAIL: the prefix-shared pass does not match TRL's" in out

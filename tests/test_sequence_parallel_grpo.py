@@ -2,7 +2,7 @@
 held by both (`sequence_parallel_size=2`), against one process with the same global batch.
 
 TRL deals different prompts to the two ranks; the group runs each rank's rows in turn, both together
-(`PrefixSharedLogps._group_passes`). The rollouts come from test_grpo_distributed's seeded `rollout_func`, so the
+(`passes.GroupPasses.group_passes`). The rollouts come from test_grpo_distributed's seeded `rollout_func`, so the
 completions do not depend on the world size. Asserted over 4 SGD steps as there: every metric within
 `metric_within` of its scale (packing/efficiency apart: each rank packs its own groups), sampled final weights within
 K eps x `weights_scale`.

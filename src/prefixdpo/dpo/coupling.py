@@ -7,7 +7,7 @@ computes it on one batch: the step's loss is ``sum(per-pair losses) / P_step`` h
 in value and gradients.
 
 Trainer hands the step all micro-batches of one optimizer step before the first forward
-(`step.DPOTrainingStep.get_batch_samples`). `StepCoupling` collects what the coupled losses need over the step's
+(`step.DPOStep.in_step`). `StepCoupling` collects what the coupled losses need over the step's
 pairs on every rank, builds the step's context once, and gives each micro-batch its slice (beside it, in
 `step.StepInputs`), so packing, gradient accumulation and world size cannot change the loss:
 

@@ -4,19 +4,19 @@ table beside it (`loss_table.py`: one row per loss; `losses.py`: the pure functi
     the loader           `data.loader.MicroBatches` (built by `training.base.get_train_dataloader`) plans each
                          epoch's micro-batches, padded or packed lines, the same number on every rank; each item
                          is one `MicroBatch` (a `Batch` of lines and its pairs, and the step's pair count)
-    transformers.Trainer._inner_training_loop, per optimizer step:
+    transformers.Trainer._inner_training_loop, per optimizer step (the trainer's hooks, each calling its `DPOStep`):
       get_batch_samples    the step's micro-batches, all in hand before the first forward
-        _in_step           each as a `StepInputs`; losses coupled across the step's pairs (sft, aot, bco_pair) get
-                           their slice of the step's context (`coupling.py`), from a no-grad `_prepass` where they
+        in_step            each as a `StepInputs`; losses coupled across the step's pairs (sft, aot, bco_pair) get
+                           their slice of the step's context (`coupling.py`), from a no-grad `prepass` where they
                            need every pair's log-probs (its mask and reference sums are kept for the training pass)
       training_step -> compute_loss (`training.base`) -> _compute_loss, per micro-batch:
-        _pair_step         the micro-batch on the device with ONE attention mask for every pass over it; then
+        pair_step          the micro-batch on the device with ONE attention mask for every pass over it; then
           pair_losses        1. policy pass: per-response log-prob sums [R] (grad; `core.forward`)
                              2. reference pass: sums [R] (no grad; a `reference.Reference`, or the pre-pass's)
                              3. pair log-probs [P] (LD-DPO's split, WPO's weights: `token_weights.py`)
                              4. combined loss [P]: the configured rows of the loss table, weighted
                            and the micro-batch's metric sums (TRL's names, `PairStep.metric_sums`)
-        _compute_loss      sum(pair losses) x W / N, N the step's pairs over all W ranks (`_step_share`), plus the
+        loss               sum(pair losses) x W / N, N the step's pairs over all W ranks (`_step_share`), plus the
                            MoE load-balancing loss as TRL weighs it
       Trainer: loss.backward(); after the step's last micro-batch, the optimizer step.
 
@@ -48,7 +48,7 @@ from prefixdpo.dpo.reference import IdleReference
 from prefixdpo.dpo.token_weights import ld_pair_logps, wpo_aligned_logps, wpo_pair_weights
 from prefixdpo.training.metrics import COUNTS, MetricSums
 
-__all__ = ["Objective", "StepInputs", "PairStep", "DPOMetricSums", "DPOTrainingStep", "pair_losses", "pair_logps",
+__all__ = ["Objective", "StepInputs", "PairStep", "DPOMetricSums", "DPOStep", "pair_losses", "pair_logps",
            "zero_weight_loss", "combined_loss"]
 
 
@@ -130,24 +130,35 @@ class PairStep:
         return dict(zip(PAIR_METRICS, sums))
 
 
-class DPOTrainingStep:
-    """`PrefixDPOTrainer`'s step: the Trainer hooks one optimizer step runs, in the order it runs them (module
-    docstring). Reads of the trainer: `model`, `accelerator`, `args`, `backend`, `pad_token_id`, `tokens_per_pass`
-    (prefix reuse's budget), `reference`, `_metrics` and `_step_share` (`training.base`); `_init_step` builds the
-    rest, once, after the reference."""
+class DPOStep:
+    """`PrefixDPOTrainer`'s step: what the Trainer hooks of one optimizer step run, in the order they run it (module
+    docstring), built once per run with everything it reads (`of_run`); the trainer calls it from its hooks.
 
-    def _init_step(self) -> None:
-        self.objective = Objective.from_config(self.args, self.model)
-        self.coupling = StepCoupling(self.objective, self.accelerator, self.sp_size)
-        self._idle_reference = IdleReference(self.reference)  # what an idle micro-batch asks (`StepInputs.idle`)
+    objective: the loss settings; coupling: the step's coupling across pairs (`coupling.StepCoupling`); reference: the
+    run's `reference.Reference`; sharing: the run's `training.sharing_run.SharingRun` (the pass backend, prefix
+    reuse's budget); device, pad_token_id, pad_multiple (an idle micro-batch's stand-in line), chunk_size (the
+    log-prob chunk of a pass).
+    """
+
+    def __init__(self, objective: Objective, coupling: StepCoupling, reference, sharing, *, device, pad_token_id: int,
+                 pad_multiple: int, chunk_size: int):
+        self.objective, self.coupling, self.reference, self.sharing = objective, coupling, reference, sharing
+        self.device, self.pad_token_id, self.pad_multiple = device, pad_token_id, pad_multiple
+        self.chunk_size = chunk_size
+        self.idle_reference = IdleReference(reference)  # what an idle micro-batch asks (`StepInputs.idle`)
+
+    @classmethod
+    def of_run(cls, config, policy, *, reference, sharing, accelerator, pad_token_id: int,
+               pad_multiple: int) -> DPOStep:
+        """The step `config` (a `PrefixDPOConfig`) asks of `policy`, its coupling over `accelerator`'s ranks."""
+        objective = Objective.from_config(config, policy)
+        return cls(objective, StepCoupling(objective, accelerator, sharing.sp_size), reference, sharing,
+                   device=config.device, pad_token_id=pad_token_id, pad_multiple=pad_multiple,
+                   chunk_size=config.logprob_chunk_size)
 
     # ---- the optimizer step: its micro-batches, and what the coupled losses need of them all --------------------
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        micro_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        return self._in_step(micro_batches), None
-
-    def _in_step(self, micro_batches: list[MicroBatch]) -> list[StepInputs]:
+    def in_step(self, policy, micro_batches: list[MicroBatch]) -> list[StepInputs]:
         """Each micro-batch of an optimizer step with what the step works out for it: its slice of the step
         context and, where the coupled losses need every pair's log-probs first, the pre-pass's results."""
         steps = [StepInputs(micro) for micro in micro_batches]
@@ -156,77 +167,70 @@ class DPOTrainingStep:
         pairs = [None] * len(steps)
         if self.coupling.needs_pairs:  # an idle micro-batch too: its passes join the other ranks' collectives
             for i, micro in enumerate(micro_batches):
-                steps[i], pairs[i] = self._prepass(micro)
+                steps[i], pairs[i] = self.prepass(policy, micro)
         contexts = self.coupling.contexts(micro_batches, pairs)
         return [replace(step, context=context) for step, context in zip(steps, contexts)]
 
-    def _prepass(self, micro: MicroBatch) -> tuple[StepInputs, PairLogps]:
+    def prepass(self, policy, micro: MicroBatch) -> tuple[StepInputs, PairLogps]:
         """No-grad per-pair log-probs of one micro-batch, for the step context. Its batch on the device, its mask
         and the reference's sums are kept beside the micro-batch, so the training pass builds no second mask and
         runs no second reference pass (LD-DPO needs the reference's tokens: it reruns the reference)."""
-        step = self._on_device(StepInputs(micro))
-        reference = self._reference_of(step)
+        step = self.on_device(StepInputs(micro))
+        reference = self.reference_of(step)
         with torch.no_grad():
             if self.objective.params.ld_alpha is None:
-                step = replace(step, ref_logps=reference.sums(self.model, step.batch, step.mask, micro))
-            pairs = pair_logps(self.model, step.batch, step.mask, reference=reference,
-                               chunk_size=self.args.logprob_chunk_size, item=micro, ref_logps=step.ref_logps,
-                               params=self.objective.params)
+                step = replace(step, ref_logps=reference.sums(policy, step.batch, step.mask, micro))
+            pairs = pair_logps(policy, step.batch, step.mask, reference=reference, chunk_size=self.chunk_size,
+                               item=micro, ref_logps=step.ref_logps, params=self.objective.params)
         return step, pairs
 
-    def _on_device(self, step: StepInputs) -> StepInputs:
-        return step.on_device(self.args.device, self.backend, self.pad_token_id, self.tokens_per_pass,
-                              self._loader_settings(train=True).pad_multiple)
+    def on_device(self, step: StepInputs) -> StepInputs:
+        return step.on_device(self.device, self.sharing.backend, self.pad_token_id, self.sharing.tokens_per_pass,
+                              self.pad_multiple)
 
-    def _reference_of(self, step: StepInputs):
+    def reference_of(self, step: StepInputs):
         """The reference `step`'s passes ask: the run's, or, for an idle micro-batch, the run's at zero weight."""
-        return self._idle_reference if step.idle else self.reference
-
-    def _micro_batch(self, inputs: StepInputs) -> MicroBatch:
-        return inputs.micro
-
-    def _new_metric_sums(self) -> DPOMetricSums:
-        return DPOMetricSums()
+        return self.idle_reference if step.idle else self.reference
 
     # ---- one micro-batch ------------------------------------------------------------------------------------------
 
-    def _compute_loss(self, model, inputs: StepInputs, return_outputs):
-        """The loss Trainer runs backward on: the micro-batch's share of the step's mean pair loss."""
-        result, idle_loss = self._pair_step(model, inputs, "train")
-        if result is None:  # a rank-balancing empty slot
-            loss = idle_loss
-        else:
-            # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
-            # ranks of (pair losses / all pairs of the step)
-            loss = result.losses.sum() * self._step_share(inputs)
-            if result.aux_loss is not None:
-                # as TRL: coef x aux per micro-batch, averaged over accumulation steps and (by DDP) over ranks
-                coef = self.objective.router_aux_loss_coef
-                loss = loss + coef * result.aux_loss / self.current_gradient_accumulation_steps
-        return (loss, {}) if return_outputs else loss
+    def loss(self, result: PairStep | None, idle_loss, share: float, accumulation_steps: int) -> Tensor:
+        """The loss Trainer runs backward on: the micro-batch's share of the step's mean pair loss (`share`: W / N,
+        `training.base._step_share`); a rank-balancing empty slot's `idle_loss`."""
+        if result is None:
+            return idle_loss
+        # x num_processes: DDP/FSDP/DeepSpeed average gradients over ranks, while we want the sum over
+        # ranks of (pair losses / all pairs of the step)
+        loss = result.losses.sum() * share
+        if result.aux_loss is not None:
+            # as TRL: coef x aux per micro-batch, averaged over accumulation steps and (by DDP) over ranks
+            loss = loss + self.objective.router_aux_loss_coef * result.aux_loss / accumulation_steps
+        return loss
 
-    def _pair_step(self, model, inputs: StepInputs | MicroBatch, split: str):
+    def pair_step(self, policy, inputs: StepInputs | MicroBatch, split: str, sums: MetricSums):
         """(the micro-batch's PairStep, None), or, for a rank-balancing empty micro-batch, (None, its zero-weight
-        loss), for which it ran a real micro-batch's passes (`zero_weight_loss`); adds its metric sums to
-        `split`. Training passes StepInputs (`get_batch_samples`), evaluation the loader's MicroBatch (an empty
-        one runs the passes too, under evaluation's no_grad: every rank joins the same collectives)."""
+        loss), for which it ran a real micro-batch's passes (`zero_weight_loss`); adds its metric sums to `sums`.
+        Training passes StepInputs (`in_step`), evaluation the loader's MicroBatch (an empty one runs the passes
+        too, under evaluation's no_grad: every rank joins the same collectives)."""
         if split == "train":
             step = inputs
         else:
             step = StepInputs(inputs, context=self.coupling.for_evaluation if self.coupling.enabled else None)
-        step = self._on_device(step)
-        batch, chunk_size = step.batch, self.args.logprob_chunk_size
+        step = self.on_device(step)
+        batch = step.batch
         if step.idle:
-            return None, zero_weight_loss(model, batch, step.mask, reference=self._idle_reference,
-                                          objective=self.objective, chunk_size=chunk_size, ref_logps=step.ref_logps)
-        result = pair_losses(model, batch, step.mask, reference=self.reference, objective=self.objective,
-                             chunk_size=chunk_size, item=step.micro, ref_logps=step.ref_logps, context=step.context)
+            return None, zero_weight_loss(policy, batch, step.mask, reference=self.idle_reference,
+                                          objective=self.objective, chunk_size=self.chunk_size,
+                                          ref_logps=step.ref_logps)
+        result = pair_losses(policy, batch, step.mask, reference=self.reference, objective=self.objective,
+                             chunk_size=self.chunk_size, item=step.micro, ref_logps=step.ref_logps,
+                             context=step.context)
         stats = result.metric_sums(self.objective.params.beta)
         loss_sum = result.losses.detach().sum().item()
         if result.aux_loss is not None:  # TRL's logged loss includes the weighted aux loss
             loss_sum += self.objective.router_aux_loss_coef * float(result.aux_loss.detach()) * batch.num_pairs
         stats.update(pairs=batch.num_pairs, loss_sum=loss_sum, **step.micro.token_counts())
-        self._metrics[split].add(stats)
+        sums.add(stats)
         return result, None
 
 

@@ -12,7 +12,7 @@ one that learned from an infinite reward, or ends in a traceback naming no step.
   own completions and the ranks agree before anyone raises, so a function failing on one rank stops all of them
   with the same line instead of leaving the others waiting in TRL's gather;
 - a step whose rewards are unusable, every completion's reward None/NaN under every function, or any reward
-  infinite (`unusable_rewards`), is a non-finite step: its loss is made NaN (`GuardedRewards.compute_loss`), so the
+  infinite (`unusable_rewards`), is a non-finite step: its loss is made NaN (`RewardGuard.poisoned`), so the
   non-finite guard (and DeepSpeed's own overflow check) treats it as it treats a NaN loss: `--nonfinite stop`
   names the function, the step and the last good checkpoint; `skip` skips the step and counts it;
 - a None/NaN for *some* completions keeps TRL's meaning (those completions are left out of the means).
@@ -75,7 +75,7 @@ def _raised(err: BaseException) -> str:
 def checked_reward(func, name: str, problems: list[str]):
     """`func` (a TRL reward function, plain or async) that records what it did wrong in `problems` instead of
     raising, and then returns placeholder zeros (never used: the run stops right after TRL's gather), so that TRL
-    reaches its gather on every rank and the ranks can agree (`GuardedRewards._calculate_rewards`)."""
+    reaches its gather on every rank and the ranks can agree (`RewardGuard.check`)."""
 
     def outcome(output, err: Exception | None, kwargs: dict) -> list:
         expected = len(kwargs["prompts"])  # TRL passes everything by keyword
@@ -124,52 +124,59 @@ def unusable_rewards(rewards: torch.Tensor, names: list[str]) -> str | None:
     return None
 
 
-class GuardedRewards:
-    """Mixed in before TRL's GRPOTrainer/RLOOTrainer (with `SurvivingRun` after it): the reward checks of the
-    module docstring. Call `_guard_reward_funcs()` after TRL's `__init__`."""
+class RewardGuard:
+    """The reward checks of the module docstring, one per run, called by a group trainer's overrides of TRL's
+    `_calculate_rewards` (`check`) and `compute_loss` (`poisoned`). `guarded` wraps the reward functions once, after
+    TRL's `__init__`."""
 
-    def _guard_reward_funcs(self) -> None:
-        self._reward_problems: list[str] = []
-        self._reward_fault: str | None = None  # why the current generation's rewards are unusable (training)
-        self.reward_funcs = [func if isinstance(func, nn.Module) else checked_reward(func, name, self._reward_problems)
-                             for func, name in zip(self.reward_funcs, self.reward_func_names)]
+    def __init__(self):
+        self.problems: list[str] = []  # what the functions did wrong in the current call (`checked_reward`)
+        self.fault: str | None = None  # why the current generation's rewards are unusable (training)
 
-    def _where(self) -> str:
-        step = self.state.global_step
-        return f"optimizer step {step + 1}" if self.model.training else f"evaluation after optimizer step {step}"
+    def guarded(self, reward_funcs: list, names: list) -> list:
+        """`reward_funcs` with each function (not a reward model) recording its problems here (`checked_reward`)."""
+        return [func if isinstance(func, nn.Module) else checked_reward(func, name, self.problems)
+                for func, name in zip(reward_funcs, names)]
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        self._reward_problems.clear()
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if any_rank(bool(self._reward_problems), self.accelerator.device):
-            self._raise_reward_problem()
-        fault = unusable_rewards(rewards, [str(n) for n in self.reward_func_names])
-        if self.model.training:
-            self._reward_fault = fault
+    def begin(self) -> None:
+        """Before TRL's `_calculate_rewards`: no problem recorded yet."""
+        self.problems.clear()
+
+    def check(self, rewards: torch.Tensor, names: list, *, device, training: bool, step: int, output_dir: str,
+              run_fingerprint) -> torch.Tensor:
+        """`rewards` [completions, functions] of TRL's `_calculate_rewards`, after the checks: a problem on any rank
+        stops the run in one line (`RewardFunctionError`); unusable rewards make this training step's loss NaN
+        (`poisoned`), or are said in evaluation. step: the optimizer steps done; output_dir and run_fingerprint: where
+        the last complete checkpoint of the run is looked for."""
+        where = f"optimizer step {step + 1}" if training else f"evaluation after optimizer step {step}"
+        if any_rank(bool(self.problems), device):
+            self._raise_problem(where, output_dir, run_fingerprint)
+        fault = unusable_rewards(rewards, [str(n) for n in names])
+        if training:
+            self.fault = fault
         elif fault is not None:  # evaluation applies nothing: its metrics say what the rewards were
-            logger.warning("%s: %s", self._where(), fault)
+            logger.warning("%s: %s", where, fault)
         return rewards
 
-    def _raise_reward_problem(self) -> None:
+    def _raise_problem(self, where: str, output_dir: str, run_fingerprint) -> None:
         """Every rank raises the same one line: the first problem of the first rank that had one."""
         _, world = rank_and_world()
-        for rank, problems in enumerate(gather(list(self._reward_problems))):
+        for rank, problems in enumerate(gather(list(self.problems))):
             if problems:
                 on = f" on rank {rank}" if world > 1 else ""
-                last = checkpoints.last_good_checkpoint(self.args.output_dir, self.run_fingerprint)
+                last = checkpoints.last_good_checkpoint(output_dir, run_fingerprint)
                 resume = (f"the last complete checkpoint is {last}: fix the function and resume with "
                           "--resume_from_checkpoint latest" if last else "no checkpoint was saved before it")
-                raise RewardFunctionError(f"{self._where()}: {problems[0]}{on}; stopped, {resume}")
+                raise RewardFunctionError(f"{where}: {problems[0]}{on}; stopped, {resume}")
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
-        if self._reward_fault is None or return_outputs or not model.training:
+    def poisoned(self, loss, model, return_outputs: bool, nonfinite):
+        """TRL's `loss`, made NaN in a training step on unusable rewards (its reason noted by the `nonfinite` guard)."""
+        if self.fault is None or return_outputs or not model.training:
             return loss
         # a step on unusable rewards is a non-finite step: a NaN loss reaches every gradient, which the guard (and
         # DeepSpeed's overflow check) stops or skips; the guard names the reason
-        self.nonfinite.note_cause(self._reward_fault)
+        nonfinite.note_cause(self.fault)
         return loss * float("nan")
 
 
-__all__ = ["GuardedRewards", "RewardFunctionError", "checked_reward", "output_problem", "unusable_rewards"]
+__all__ = ["RewardGuard", "RewardFunctionError", "checked_reward", "output_problem", "unusable_rewards"]

@@ -1,21 +1,23 @@
 """The rollout half of a TRL group step, prefix-shared: generation (`generation.py`) and reward-model scoring
-(`reward_models.py`), as mix-ins over TRL 1.16's `GRPOTrainer` / `RLOOTrainer` (before the TRL class; they read the
-options through `PrefixSharedLogps.group_settings`).
+(`reward_models.py`), as two objects a group trainer builds once and calls from its overrides of TRL 1.16's
+`_generate_single_turn` and `_calculate_rewards` (`trainer.PrefixGroupTrainer`); each reads the run's prefix sharing
+(`training.sharing_run.SharingRun`: the backend, the notes said once, the prefill counts) and takes the trainer's
+options (`settings.GroupSettings`) with each call.
 
 Each replaces one call inside TRL's own method for the duration of that method, so TRL's code around it (tokenizing,
 padding, unwrap and gather contexts, EOS masks, reward weighting, NaN handling, gathering across ranks) runs
 unchanged: `model.generate(...)` in `_generate_single_turn`, `reward_model(**inputs).logits` in `_calculate_rewards`.
-Where sharing cannot reproduce a call, TRL's call runs, and each reason is logged once.
+Where sharing cannot reproduce a call, TRL's call runs, and each reason is said once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
 import torch
 
-from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.core.logprobs import UnsupportedModelError
 from prefixdpo.core.model_checks import prepare_model
 from prefixdpo.grpo.generation import SharedPromptRoute, generate_routed
@@ -25,33 +27,30 @@ from prefixdpo.core.scores import score_head
 logger = logging.getLogger(__name__)
 
 
-class SharedPromptGeneration:
-    """TRL's transformers generation with each unique prompt prefilled once (`generation.py`), mixed in before the TRL
-    class. TRL's `_generate_single_turn` runs unchanged (tokenizing, left padding, its unwrap and gather contexts, the
-    EOS mask after generation); only its one `unwrapped_model.generate(**inputs, generation_config=...)` call is
-    routed, for the duration of that method, to `generation.SharedPromptRoute`, which computes the same sequences or
-    makes TRL's call, saying once why. vLLM and transformers' continuous batching are TRL's paths untouched."""
+class SharedGeneration:
+    """TRL's transformers generation with each unique prompt prefilled once (`generation.py`). TRL's
+    `_generate_single_turn` runs unchanged (tokenizing, left padding, its unwrap and gather contexts, the EOS mask after
+    generation); only its one `unwrapped_model.generate(**inputs, generation_config=...)` call is routed, for the
+    duration of that method, to `generation.SharedPromptRoute`, which computes the same sequences or makes TRL's call,
+    saying once why. vLLM and transformers' continuous batching are TRL's paths untouched (the trainer's choice)."""
 
-    def _setup_shared_generation(self) -> None:
-        self._generation_route = SharedPromptRoute(self._note_generation_fallback)
-        if self.group_settings.shared_prompt_generation and getattr(self, "use_vllm", False):
-            _say_vllm_prefix_caching(self)
+    def __init__(self, sharing):
+        self.sharing = sharing
+        self.route = SharedPromptRoute(self.note_fallback)
 
-    def _generate_single_turn(self, *args, **kwargs):
-        if (not self.group_settings.shared_prompt_generation or getattr(self, "use_vllm", False)
-                or getattr(self, "use_transformers_continuous_batching", False)):
-            return super()._generate_single_turn(*args, **kwargs)
-        # the object TRL's `unwrap_model_for_generation` yields and calls `generate` on
-        model = self.accelerator.unwrap_model(self.model_wrapped)
+    def generate(self, model, mode: str, trl_generate):
+        """TRL's `_generate_single_turn` (`trl_generate`, its arguments bound) with `model.generate` routed; `model`:
+        the object TRL's `unwrap_model_for_generation` yields and calls `generate` on; mode: train / eval, whose
+        prefill counts the route adds to."""
         if "generate" in vars(model):  # a custom_generate the model brought: not transformers' own loop
-            self._note_generation_fallback("the model has its own generate (a custom_generate)")
-            return super()._generate_single_turn(*args, **kwargs)
-        self._generation_route.count = self.sharing_counts.prefill["train" if self.model.training else "eval"]
-        with generate_routed(model, self._generation_route):
-            return super()._generate_single_turn(*args, **kwargs)
+            self.note_fallback("the model has its own generate (a custom_generate)")
+            return trl_generate()
+        self.route.count = self.sharing.counts.prefill[mode]
+        with generate_routed(model, self.route):
+            return trl_generate()
 
-    def _note_generation_fallback(self, reason: str) -> None:
-        self.said_once("shared-prompt generation", reason, "such generate calls run as TRL makes them")
+    def note_fallback(self, reason: str) -> None:
+        self.sharing.note("shared-prompt generation", reason, "such generate calls run as TRL makes them")
 
 
 def _say_vllm_prefix_caching(trainer) -> None:
@@ -70,43 +69,49 @@ def _say_vllm_prefix_caching(trainer) -> None:
         logger.info("use_vllm (colocate): could not read whether vLLM's prefix caching is on (its default is on)")
 
 
-class SharedPromptScoring:
-    """TRL's reward-model scoring with each prompt's completions on one shared line (`reward_models.py`)."""
+class SharedScoring:
+    """TRL's reward-model scoring with each prompt's completions on one shared line (`reward_models.py`). Built after
+    TRL's `__init__`: the reward models (of `reward_funcs`, named `names`) that can be scored shared are switched to
+    prefixdpo's attention, when `enabled` (`shared_prompt_scoring`)."""
 
-    def _setup_shared_scoring(self) -> None:
-        """After TRL's `__init__`: the reward models that can be scored shared run prefixdpo's attention."""
-        self._shared_reward_models: list[int] = []
-        if not self.group_settings.shared_prompt_scoring:
+    def __init__(self, sharing, reward_funcs: list, names: list, *, enabled: bool, device):
+        self.sharing = sharing
+        self.models: list[int] = []  # the indices of the reward models scored shared
+        self.models_backend = None  # the backend those reward models were switched to, once
+        if not enabled:
             return
-        self._scoring_backend = resolve_backend(self.group_settings.attention, self.accelerator.device,
-                                                needs_grad=False)
-        for i, func in enumerate(self.reward_funcs):
+        self.models_backend = sharing.backend_for(device, needs_grad=False)
+        for i, func in enumerate(reward_funcs):
             if not isinstance(func, torch.nn.Module):
                 continue
             try:
                 score_head(func)
-                prepare_model(func, self._scoring_backend)
+                prepare_model(func, self.models_backend)
             except UnsupportedModelError as err:
-                self._note_scoring_fallback(f"reward model {self.reward_func_names[i]}: {err}")
+                self.note_fallback(f"reward model {names[i]}: {err}")
                 continue
-            self._shared_reward_models.append(i)
+            self.models.append(i)
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if not self._shared_reward_models:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    @contextlib.contextmanager
+    def routed(self, trainer, prompts: list, settings):
+        """For the duration of TRL's `_calculate_rewards` on `prompts`: `trainer.reward_funcs` with each reward model
+        scored shared in its place (`SharedPrefixScorer`, laid out as `settings` say), put back after."""
+        if not self.models:
+            yield
+            return
         groups = prompt_groups(prompts)
-        saved = self.reward_funcs
-        self.reward_funcs = [
-            SharedPrefixScorer(func, groups, backend=self._scoring_backend, packing=self.group_settings.packing,
-                               pack_length=self.group_settings.pack_length, fallback=self._note_scoring_fallback)
-            if i in self._shared_reward_models else func for i, func in enumerate(saved)]
+        saved = trainer.reward_funcs
+        trainer.reward_funcs = [
+            SharedPrefixScorer(func, groups, backend=self.models_backend, packing=settings.packing,
+                               pack_length=settings.pack_length, fallback=self.note_fallback)
+            if i in self.models else func for i, func in enumerate(saved)]
         try:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            yield
         finally:
-            self.reward_funcs = saved
+            trainer.reward_funcs = saved
 
-    def _note_scoring_fallback(self, reason: str) -> None:
-        self.said_once("shared-prompt scoring", reason, "such calls score TRL's padded rows")
+    def note_fallback(self, reason: str) -> None:
+        self.sharing.note("shared-prompt scoring", reason, "such calls score TRL's padded rows")
 
 
 def prompt_groups(prompts: list) -> list[int]:

@@ -1,17 +1,20 @@
 """What a group trainer tells about its prefix sharing: the tokens it saved (summed over ranks at each log, one
-reduction for every count) and each reason a call ran TRL's own way, said once.
+reduction for every count) and each reason a call ran TRL's own way, said once (`SaidOnce`, the run component's:
+`training.sharing_run`).
 
-One object of each per trainer (`trainer.PrefixGroupTrainer`), used by its passes (`trainer.PrefixSharedLogps`),
-its generation and its reward-model scoring (`rollout.py`), and drained by its one `log`.
+One of each per trainer, held by its run component (`training.sharing_run.SharingRun`: `counts`, `said_once`), used
+by its passes (`passes.GroupPasses`), its generation and its reward-model scoring (`rollout.py`), and drained by its
+one `log` (`SharingRun.drain`).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from prefixdpo.grpo.generation import PrefillCount
+from prefixdpo.training.sharing_run import SaidOnce
+
+__all__ = ["SaidOnce", "SharingCounts"]
 
 MODES = ("train", "eval")
 
@@ -50,17 +53,3 @@ class SharingCounts:
         if prefill and prefill_trl > 0:
             metrics["prefix_sharing/prefill_tokens_saved"] = 1.0 - prefill_ran / prefill_trl
         return metrics
-
-
-class SaidOnce:
-    """Logs each (what, reason) once per run: a pass, a generate call or a reward-model call that ran TRL's own way,
-    and why."""
-
-    def __init__(self, logger: logging.Logger):
-        self.logger = logger
-        self.said: set[tuple[str, str]] = set()
-
-    def __call__(self, what: str, reason: str, consequence: str) -> None:
-        if (what, reason) not in self.said:
-            self.said.add((what, reason))
-            self.logger.warning("%s: %s; %s (said once)", what, reason, consequence)

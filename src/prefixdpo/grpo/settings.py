@@ -5,7 +5,7 @@ below) or TRL's own `GRPOConfig` / `RLOOConfig`, which has none of prefixdpo's o
 defaults. The settings are built from the config once, frozen, and nothing is written onto the user's config.
 
 `LayoutKey` names what a pass's lines depend on besides its rows, so a pass over the same rows with the same key
-reuses the lines (and the masks built for them) of the pass before it (`trainer.PrefixSharedLogps._lines`).
+reuses the lines (and the masks built for them) of the pass before it (`passes.GroupPasses.lines`).
 """
 
 from __future__ import annotations

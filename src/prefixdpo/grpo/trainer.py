@@ -16,12 +16,15 @@ the log-probs, only the one method through which TRL computes *every* pass is re
   loss code reads, so it cannot change without TRL changing its callers in the same release; the method
   has kept its name and shape through TRL 1.x, and the signature here accepts every argument TRL 1.16
   passes (keyword or positional).
-- The rows are grouped by their prompt tokens (TRL shuffles rows between generation and training, so row
-  order says nothing), each group runs as one prefix-shared row, groups are packed into lines
-  (`layout.py`), and the results are scattered back to TRL's tensors (`logps.py`).
-- A pass prefix sharing cannot reproduce exactly (images and other multimodal inputs, token type ids, a
-  completion mask with a gap, a sliding window shorter than the rows, a model not running prefixdpo's
-  attention) runs TRL's own method instead, and the first time each reason occurs it is logged once.
+- Its passes are `passes.GroupPasses`' (rows grouped by prompt, packed into lines, scattered back; TRL's own
+  method where sharing cannot reproduce a pass, each reason said once).
+
+What prefixdpo adds is one class, `PrefixGroupTrainer`, mixed in before TRL's (with `SurvivingRun`): it holds one
+object per concern, each built once after TRL's `__init__` with what it reads, and its overrides of TRL's methods
+call them: the run's prefix sharing (`sharing`: `training.sharing_run.SharingRun`, the backend, the
+sequence-parallel group, the reuse budget, the notes said once and the sharing counts its one `log` drains), the
+passes (`passes`), generation and reward-model scoring (`generation`, `scoring`: `rollout.py`) and the reward
+checks (`reward_guard`: `reward_checks.py`).
 
 Runs survive as DPO runs do (`training.survival.SurvivingRun`, mixed in between this class and TRL's): staged
 checkpoints sealed with the run's fingerprint (the model, every prompt record and the reward functions' names,
@@ -40,8 +43,9 @@ TRL's buffered completions are not: resumed inside a cycle, it generates the res
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 
 import torch
@@ -49,39 +53,24 @@ from trl import GRPOTrainer, RLOOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import RepeatSampler
 
-from prefixdpo.core import sequence_parallel
 from prefixdpo.core.fingerprints import records_fingerprint
-from prefixdpo.data.lines import padded
-from prefixdpo.core.attention.backends import ATTENTION_NAME, WINDOWED_BACKENDS, resolve_backend
+from prefixdpo.core.attention.backends import resolve_backend
 from prefixdpo.core.model_checks import (
-    backend_for_model, base_model, check_recurrent_options, prepare_model, sliding_window_of, text_config,
+    backend_for_model, base_model, check_recurrent_options, prepare_model, text_config,
 )
 from prefixdpo.training.settings import apply_engine_settings
 from prefixdpo.training.options import resolve_tokens_per_pass
+from prefixdpo.training.sharing_run import SaidOnce, start_sharing
 from prefixdpo.training.survival import SurvivingRun
-from prefixdpo.grpo.layout import MASK_POSITION_MODEL_TYPES, GroupLines, layout_groups, why_not_shared
-from prefixdpo.grpo.rollout import SharedPromptGeneration, SharedPromptScoring
-from prefixdpo.core.one_pass import refuse_unbuilt
-from prefixdpo.grpo.logps import group_logps, trl_head_settings
-from prefixdpo.grpo.reward_checks import GuardedRewards
-from prefixdpo.grpo.run_notes import SaidOnce, SharingCounts
+from prefixdpo.grpo.passes import GroupPasses
+from prefixdpo.grpo.rollout import SharedGeneration, SharedScoring, _say_vllm_prefix_caching
+from prefixdpo.grpo.reward_checks import RewardGuard
+from prefixdpo.grpo.run_notes import SharingCounts
 from prefixdpo.grpo.prompt_fit import check_prompts_fit
-from prefixdpo.grpo.settings import GroupSettings, LayoutKey
+from prefixdpo.grpo.settings import GroupSettings
 from prefixdpo.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class CachedLayout:
-    """The lines of the last pass over some rows (`PrefixSharedLogps._lines`): its key, its rows [N, L], its lines."""
-
-    key: LayoutKey
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    lines: GroupLines
-
-    def serves(self, key: LayoutKey, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
-        return key == self.key and _same(self.input_ids, input_ids) and _same(self.attention_mask, attention_mask)
 
 
 def check_trl_aux_loss(model, enabled: bool, coef: float) -> None:
@@ -94,8 +83,48 @@ def check_trl_aux_loss(model, enabled: bool, coef: float) -> None:
                           f"config, which {type(cfg).__name__} does not have; set --router_aux_loss_coef 0")
 
 
-class PrefixSharedLogps:
-    """The log-prob passes of a TRL group trainer on prefix-shared rows (mixed in before the TRL class)."""
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` with `set_epoch`: epoch e's prompt order is the one TRL's sampler draws in its
+    (e+1)-th pass (the generator re-seeded, e permutations drawn and dropped), so a run resumed in epoch e
+    samples what the uninterrupted run sampled. accelerate's data loader and Trainer call `set_epoch` before
+    every epoch's pass."""
+
+    @classmethod
+    def of(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
+        return cls(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
+                   sampler.shuffle, sampler.seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None:  # unseeded: no order to reproduce
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)
+
+
+class PrefixGroupTrainer(SurvivingRun):
+    """What prefixdpo adds to a TRL group trainer (mixed in before it, `SurvivingRun` after it; the module
+    docstring): one object per concern, each built once after TRL's `__init__`, which the overrides of TRL's methods
+    below call."""
+
+    def __init__(self, *args, record_indices: dict | None = None, **kwargs):
+        """TRL's arguments; record_indices (ours): {"train" / "eval" / an eval dataset's name: the source record
+        index of each row}, for messages naming a record, where rows are not the source's records (some skipped)."""
+        super().__init__(*args, **kwargs)
+        check_prompts_fit(self, record_indices)  # before any work: a prompt past the model's positions, one line
+        self._start_sharing()
+        settings = self.group_settings
+        self.passes = GroupPasses(self.sharing, self.accelerator, self.temperature)
+        self.generation = SharedGeneration(self.sharing)
+        if settings.shared_prompt_generation and getattr(self, "use_vllm", False):
+            _say_vllm_prefix_caching(self)
+        self.scoring = SharedScoring(self.sharing, self.reward_funcs, self.reward_func_names,
+                                     enabled=settings.shared_prompt_scoring, device=self.accelerator.device)
+        self.reward_guard = RewardGuard()
+        self.reward_funcs = self.reward_guard.guarded(self.reward_funcs, self.reward_func_names)
+        self._init_survival()
+
+    # ---- settings and the run's prefix sharing ----------------------------------------------------
 
     @cached_property
     def group_settings(self) -> GroupSettings:
@@ -104,17 +133,19 @@ class PrefixSharedLogps:
 
     def change_settings(self, **changes) -> None:
         """Run the passes from now on with these `GroupSettings` fields changed (verification and benchmarks
-        compare layouts on one trainer); the config is left as it is."""
+        compare layouts and backends on one trainer); the config is left as it is."""
         self.group_settings = replace(self.group_settings, **changes)
+        if "attention" in changes:  # the backend every pass and scoring call runs is the run's
+            self.sharing.backend = self.group_settings.attention
 
-    def _setup_prefix_sharing(self) -> None:
-        """After TRL's `__init__`: switch the policy and reference to prefixdpo's attention, or refuse them."""
-        self.tokens_per_pass: int | None = None  # prefix reuse's budget (`core.prefix_reuse`), or None
+    def _start_sharing(self) -> None:
+        """After TRL's `__init__`: the run's prefix sharing (`sharing`); the policy and reference switched to
+        prefixdpo's attention, or refused."""
         settings = self.group_settings
         size = settings.sequence_parallel_size
-        if size > 1:
-            sequence_parallel.check_model(self.model, size)
-        self.sequence_parallel = sequence_parallel.new_sequence_parallel(size)
+        self.sharing = start_sharing(self.model, settings.attention, sequence_parallel_size=size,
+                                     rank=self.args.process_index, world=self.args.world_size,
+                                     said_once=SaidOnce(logger), counts=SharingCounts())
         if not settings.prefix_sharing:  # TRL's own passes, on the model's own attention
             check_trl_aux_loss(self.model, getattr(self, "aux_loss_enabled", False), self.router_aux_loss_coef)
             return
@@ -126,139 +157,59 @@ class PrefixSharedLogps:
             if model is not None:
                 prepare_model(model, backend)
         check_recurrent_options(self.model, sequence_parallel_size=size)
-        if settings.prefix_reuse:
-            self.tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
+        if settings.prefix_reuse:  # prefix reuse's budget (`core.prefix_reuse`)
+            self.sharing.tokens_per_pass = resolve_tokens_per_pass(self.args, self.model)
 
-    # ---- the pass -------------------------------------------------------------------------------
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    # ---- TRL's methods, each calling the object of its concern ------------------------------------
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's per-token log-probs [N, logits_to_keep] (and entropies, and the MoE aux loss, when asked) of the
-        rows ``input_ids`` / ``attention_mask`` [N, L], computed on prefix-shared lines (see the module doc)."""
+        rows ``input_ids`` / ``attention_mask`` [N, L], computed on prefix-shared lines (`passes.GroupPasses`)."""
+        trl_pass = super()._get_per_token_logps_and_entropies
         if not self.group_settings.prefix_sharing:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal)
-        if self.sequence_parallel is not None:
-            return self._group_passes(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                                      compute_aux_loss, multimodal)
-        reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
-        if reason is not None:
-            self._note_fallback(reason)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal)
-        return self._shared_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                                 compute_aux_loss)
+            return trl_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                            compute_aux_loss, **multimodal)
+        return self.passes.logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                 compute_aux_loss, multimodal, settings=self.group_settings, mode=self._mode(),
+                                 trl_pass=trl_pass)
 
-    def _shared_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                     compute_aux_loss, sp=None, count: bool = True, slot: int = 0):
-        """TRL's (log-probs [N, K], entropies or None, aux loss or None) of rows [N, L] on prefix-shared lines; with
-        `sp`, every rank of its group runs these rows, each 1/N of every line's columns. count: add the lines to the
-        sharing metrics (under sequence parallelism only the rank whose rows they are does); slot: `_lines`'."""
-        backend = resolve_backend(self.group_settings.attention, input_ids.device,
-                                  needs_grad=torch.is_grad_enabled())
-        lines = self._lines(model, input_ids, attention_mask, logits_to_keep, backend, sp, slot)
-        N, L = input_ids.shape
-        rows_per_forward = batch_size or N
-        # TRL averages the aux loss over its forwards of `batch_size` rows: the same row sets, here
-        aux_rows = ([torch.arange(s, min(s + rows_per_forward, N), device=input_ids.device)
-                     for s in range(0, N, rows_per_forward)] if compute_aux_loss else None)
-        settings = trl_head_settings(model, self.temperature, self.group_settings.cast_lm_head_to_fp32)
-        with self.accelerator.autocast():
-            result = group_logps(model, lines, settings, backend=backend, max_slots=rows_per_forward * L,
-                                 compute_entropy=compute_entropy, aux_row_chunks=aux_rows,
-                                 tokens_per_pass=self.tokens_per_pass, sp=sp)
-        if count:
-            self._count_sharing(lines)
-        return result
+    def _generate_single_turn(self, *args, **kwargs):
+        trl_generate = functools.partial(super()._generate_single_turn, *args, **kwargs)
+        if (not self.group_settings.shared_prompt_generation or getattr(self, "use_vllm", False)
+                or getattr(self, "use_transformers_continuous_batching", False)):
+            return trl_generate()
+        # the object TRL's `unwrap_model_for_generation` yields and calls `generate` on
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        return self.generation.generate(model, self._mode(), trl_generate)
 
-    def _group_passes(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                      compute_aux_loss, multimodal):
-        """The pass under sequence parallelism: TRL deals different rows to the ranks of a group, so the group runs
-        each member's rows in turn, all together (each rank 1/N of every line's columns, `_shared_pass`), and keeps
-        its own. Each rank's result also depends (times 0) on the other members' passes, so every rank runs the
-        same backward, collectives in the same order; their backward sums bring each member's gradient to every rank
-        (`core.sequence_parallel`), and DDP's average over ranks is then that of TRL's data-parallel run."""
-        sp = self.sequence_parallel
-        refuse_unbuilt(reuse=False, sp=sp, router_logits=compute_aux_loss)  # before the group's collectives
-        reason = self._why_trl_pass(model, input_ids, attention_mask, logits_to_keep, multimodal)
-        members: list = [None] * sp.size
-        torch.distributed.all_gather_object(
-            members, (input_ids.cpu(), attention_mask.cpu(), int(logits_to_keep), reason is None), group=sp.group)
-        mine, others = None, []
-        for member, (ids, mask, keep, shared) in enumerate(members):
-            if not shared:  # TRL's own pass of that member's rows, on that rank alone
-                if member == sp.rank:
-                    self._note_fallback(reason)
-                    mine = super()._get_per_token_logps_and_entropies(
-                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, False,
-                        **multimodal)
-                continue
-            if member == sp.rank:
-                ids, mask = input_ids, attention_mask
-            out = self._shared_pass(model, ids.to(input_ids.device), mask.to(input_ids.device), keep, batch_size,
-                                    compute_entropy, False, sp, count=member == sp.rank, slot=member)
-            if member == sp.rank:
-                mine = out
-            else:
-                others.extend(t for t in out if t is not None)
-        logps, entropies, aux = mine
-        if others and logps.requires_grad:
-            logps = logps + sum(t.sum() for t in others) * 0.0
-        return logps, entropies, aux
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards, its reward models scored shared (`rollout.SharedScoring`), checked (`RewardGuard`)."""
+        self.reward_guard.begin()
+        with self.scoring.routed(self, prompts, self.group_settings):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self.reward_guard.check(rewards, self.reward_func_names, device=self.accelerator.device,
+                                       training=self.model.training, step=self.state.global_step,
+                                       output_dir=self.args.output_dir, run_fingerprint=self.run_fingerprint)
 
-    def _lines(self, model, input_ids, attention_mask, logits_to_keep, backend: str, sp=None,
-               slot: int = 0) -> GroupLines:
-        """The lines of this pass; the previous pass's (and the masks built for them) when its rows are the same:
-        TRL runs the reference and old-policy passes on the same rows, and the policy pass on rows of equal
-        content, so one layout and one set of masks serve them all (as the DPO step shares its mask). slot: whose
-        rows (under sequence parallelism each member's rows keep their own layout, `_group_passes`)."""
-        model_type = getattr(text_config(base_model(model)), "model_type", "")
-        options = self.group_settings
-        key = LayoutKey(logits_to_keep=int(logits_to_keep),
-                        positions_from_mask=model_type in MASK_POSITION_MODEL_TYPES, packing=options.packing,
-                        pack_length=str(options.pack_length), bucketed=backend in ("flex", "varlen"),
-                        tokens_per_pass=self.tokens_per_pass, shards=1 if sp is None else sp.size)
-        layouts: dict[int, CachedLayout] = self.__dict__.setdefault("_layouts", {})
-        cached = layouts.get(slot)
-        if cached is not None and cached.serves(key, input_ids, attention_mask):
-            self._last_layout = cached
-            return cached.lines
-        lines = layout_groups(
-            input_ids, attention_mask, key.logits_to_keep, positions_from_mask=key.positions_from_mask,
-            packing=key.packing, pack_length=options.pack_length, bucket=key.bucketed, alone_above=key.tokens_per_pass)
-        if sp is not None:  # each rank of the group holds an equal share of every line's columns
-            lines = padded(lines, key.shards)
-        self._last_layout = layouts[slot] = CachedLayout(key, input_ids.detach().clone(),
-                                                         attention_mask.detach().clone(), lines)
-        return lines
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+        return self.reward_guard.poisoned(loss, model, return_outputs, self.nonfinite)
 
-    def _why_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict) -> str | None:
-        """Why this pass must run TRL's own layout (None: prefix sharing reproduces it exactly)."""
-        given = sorted(name for name, value in multimodal.items() if value is not None)
-        if given:
-            return f"the rows come with {', '.join(given)}, which prefix sharing does not lay out"
-        if input_ids.shape[0] == 0:
-            return "the pass has no rows"
-        base = base_model(model)
-        if getattr(base.config, "_attn_implementation", None) != ATTENTION_NAME:
-            return (f"{type(base).__name__} does not run prefixdpo's attention (it was not passed in as the policy "
-                    "or the reference)")
-        window = sliding_window_of(base)
-        slides = resolve_backend(self.group_settings.attention, input_ids.device, needs_grad=False) in WINDOWED_BACKENDS
-        if window is not None and input_ids.shape[1] > window and not slides:  # the dense mask slides it
-            return f"rows of {input_ids.shape[1]} columns exceed the model's sliding window of {window}"
-        return why_not_shared(attention_mask, logits_to_keep)
-
-    def _note_fallback(self, reason: str) -> None:
-        self.said_once("prefix sharing", reason, "such passes run TRL's own layout")
-
-    # ---- what sharing saved -----------------------------------------------------------------------
-
-    def _count_sharing(self, lines: GroupLines) -> None:
-        self.sharing_counts.count_lines("train" if self.model.training else "eval", lines)
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with what prefix sharing saved since the last one (`SharingRun.drain`)."""
+        mode = self._mode()
+        settings = self.group_settings
+        saved = self.sharing.drain(mode, self.accelerator, passes=settings.prefix_sharing,
+                                   prefill=settings.shared_prompt_generation)
+        for name, value in saved.items():
+            self._metrics[mode][name].append(value)
+        super().log(logs, start_time)
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -294,58 +245,6 @@ class PrefixSharedLogps:
         if data is None or not hasattr(data, "__len__"):
             return records_fingerprint([], [type(data).__name__, *names])
         return records_fingerprint(data, names)
-
-
-class EpochRepeatSampler(RepeatSampler):
-    """TRL's `RepeatSampler` with `set_epoch`: epoch e's prompt order is the one TRL's sampler draws in its
-    (e+1)-th pass (the generator re-seeded, e permutations drawn and dropped), so a run resumed in epoch e
-    samples what the uninterrupted run sampled. accelerate's data loader and Trainer call `set_epoch` before
-    every epoch's pass."""
-
-    @classmethod
-    def of(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
-        return cls(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
-                   sampler.shuffle, sampler.seed)
-
-    def set_epoch(self, epoch: int) -> None:
-        if not self.shuffle or self.seed is None:  # unseeded: no order to reproduce
-            return
-        self.generator.manual_seed(self.seed)
-        for _ in range(epoch):
-            torch.randperm(self.num_samples, generator=self.generator)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-
-
-class PrefixGroupTrainer(PrefixSharedLogps, SharedPromptGeneration, SharedPromptScoring, GuardedRewards, SurvivingRun):
-    """What prefixdpo adds to a TRL group trainer (mixed in before it): log-prob passes on prefix-shared rows,
-    shared-prompt generation and reward-model scoring (`rollout.py`), reward functions that cannot end a run silently
-    wrong (`GuardedRewards`), and runs that survive (`SurvivingRun`), each set up after TRL's `__init__`."""
-
-    def __init__(self, *args, record_indices: dict | None = None, **kwargs):
-        """TRL's arguments; record_indices (ours): {"train" / "eval" / an eval dataset's name: the source record
-        index of each row}, for messages naming a record, where rows are not the source's records (some skipped)."""
-        self.said_once = SaidOnce(logger)  # why a pass, a generate call or a reward-model call ran TRL's way
-        self.sharing_counts = SharingCounts()  # what the passes and the prefill saved, drained by `log`
-        super().__init__(*args, **kwargs)
-        check_prompts_fit(self, record_indices)  # before any work: a prompt past the model's positions, one line
-        self._setup_prefix_sharing()
-        self._setup_shared_generation()
-        self._setup_shared_scoring()
-        self._guard_reward_funcs()
-        self._init_survival()
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """TRL's log, with what prefix sharing saved since the last one (`run_notes.SharingCounts.drain`)."""
-        mode = "train" if self.model.training else "eval"
-        settings = self.group_settings
-        saved = self.sharing_counts.drain(mode, self.accelerator, passes=settings.prefix_sharing,
-                                          prefill=settings.shared_prompt_generation)
-        for name, value in saved.items():
-            self._metrics[mode][name].append(value)
-        super().log(logs, start_time)
 
 
 class PrefixGRPOTrainer(PrefixGroupTrainer, GRPOTrainer):

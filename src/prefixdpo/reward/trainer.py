@@ -39,16 +39,16 @@ class PrefixRewardTrainer(PrefixTrainerBase):
     def __init__(self, model=None, args: PrefixRewardConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, data_options=None, callbacks=None,
                  optimizers=(None, None)):
-        args = self._checked_args(args, PrefixRewardConfig)
+        args, backend = self._checked_args(args, PrefixRewardConfig)
         # the pass backend: `STOCK` (the model's own attention) for a model prefix sharing off runs as TRL does
-        model, processing_class, self.backend = prepare_reward_model(
-            model, args, backend=self.backend, peft_config=peft_config, tokenizer=processing_class)
-        self.tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
-        train, evals = self._examples_that_fit(model, args, data_options or reward_data_options(args), train_dataset,
-                                               eval_dataset, processing_class)
+        model, processing_class, backend = prepare_reward_model(
+            model, args, backend=backend, peft_config=peft_config, tokenizer=processing_class)
+        tokens_per_pass = resolve_tokens_per_pass(args, model)  # prefix reuse's budget, or None
+        train, evals = self._examples_that_fit(model, args, backend, data_options or reward_data_options(args),
+                                               train_dataset, eval_dataset, processing_class)
         super().__init__(model=model, args=args, data_collator=None, train_dataset=train, eval_dataset=evals,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-        self._init_run_state()
+        self._init_run_state(backend, tokens_per_pass)
 
     def _as_examples(self, data, tokenizer, name: str):
         return reward_examples(data, tokenizer, self._data_options, name, self.data_reports)
@@ -62,7 +62,7 @@ class PrefixRewardTrainer(PrefixTrainerBase):
         """(per-pair losses [P], or None for a rank-balancing empty micro-batch, and the scores); adds the
         micro-batch's metric sums to `split`."""
         batch = inputs.batch.to(self.args.device)
-        mask = plan_run_pass(batch, self.backend, max_tokens_per_pass=self.tokens_per_pass)
+        mask = plan_run_pass(batch, self.sharing.backend, max_tokens_per_pass=self.sharing.tokens_per_pass)
         scores = compute_response_scores(model, batch, mask)
         if batch.num_pairs == 0:
             return None, scores

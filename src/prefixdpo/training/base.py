@@ -9,6 +9,9 @@
   accumulation steps again: every step's gradient is that of the mean pair loss of the step;
 - evaluation weighs every pair equally (Trainer's loop would concatenate logits per batch);
 - logging: pairs (not micro-batches) as samples, the subclass's metric sums reduced over ranks;
+- the run's prefix sharing: one `sharing_run.SharingRun` (`sharing`: the pass backend, the sequence-parallel group
+  and the data-parallel rank and world the loaders deal to, prefix reuse's budget), built once after
+  `Trainer.__init__` and handed explicitly to what reads it (a method's step);
 - engines: a requested FSDP applied (also on CPU) or refused (`engines.py`); an export is always a whole
   model that stock `from_pretrained` loads;
 - runs that survive, non-finite steps and exports (`survival.SurvivingRun`, shared with the GRPO/RLOO
@@ -35,9 +38,9 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from prefixdpo.core import sequence_parallel
 from prefixdpo.training.callbacks import RunCallback
 from prefixdpo.training.metrics import MetricSums
+from prefixdpo.training.sharing_run import start_sharing
 from prefixdpo.training.survival import SurvivingRun
 from prefixdpo.core.fingerprints import data_fingerprint
 from prefixdpo.core.fit import check_run_fits
@@ -59,24 +62,25 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
 
     # ---- construction -----------------------------------------------------------------------
 
-    def _checked_args(self, args, config_class):
-        """`args` (default: `config_class()`) after checking its type; picks the attention backend once, for
-        every pass of the run."""
+    def _checked_args(self, args, config_class) -> tuple:
+        """(`args` (default: `config_class()`) after checking its type, the attention backend every pass of the run
+        runs, picked once; the model's preparation may still turn it to `STOCK`)."""
         args = args if args is not None else config_class()
         if not isinstance(args, config_class):
             raise TypeError(f"args must be a {config_class.__name__}")
-        self.backend = resolve_backend(args.attention, args.device, needs_grad=True)
-        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", self.backend, args.attention)
-        return args
+        backend = resolve_backend(args.attention, args.device, needs_grad=True)
+        logging.getLogger(__name__).info("attention backend: %s (attention=%s)", backend, args.attention)
+        return args, backend
 
-    def _examples_that_fit(self, model, args, data_options, train_dataset, eval_dataset, tokenizer, extra_passes=()):
+    def _examples_that_fit(self, model, args, backend: str, data_options, train_dataset, eval_dataset, tokenizer,
+                           extra_passes=()):
         """(train Examples, eval Examples or a dict of them) of the datasets given (records through the data pipeline
         with `data_options`, reports in `data_reports`), each checked against the model and the machine before any
-        work (`core.fit`: positions, the mask's memory in every pass, a method's `extra_passes` too)."""
+        work (`core.fit`: positions, the mask's memory in every pass on `backend`, a method's `extra_passes` too)."""
         self._data_options = data_options
         self.data_reports: dict = {}
         train, evals = self._examples_of(train_dataset, eval_dataset, tokenizer, args)
-        check_run_fits(model, fit_settings(args, self.backend, extra_passes), train, evals)
+        check_run_fits(model, fit_settings(args, backend, extra_passes), train, evals)
         return train, evals
 
     def _examples_of(self, train_dataset, eval_dataset, tokenizer, args):
@@ -100,10 +104,15 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         logging.getLogger(__name__).info("%s: %s", name, report.summary())
         return grouped
 
-    def _init_run_state(self) -> None:
-        """Per-run state, after `Trainer.__init__` (the model is in place)."""
+    def _init_run_state(self, backend: str, tokens_per_pass: int | None) -> None:
+        """Per-run state, after `Trainer.__init__` (the model is in place): the run's prefix sharing (`sharing`: the
+        pass `backend`, prefix reuse's budget `tokens_per_pass`, the sequence-parallel group, checked against the
+        model and attached to it), metric sums, the run's callbacks."""
         self._offload = activation_offloading_context(self.model, self.args.activation_offloading)
-        self._init_sequence_parallel(self.model)
+        self.sharing = start_sharing(self.model, backend, tokens_per_pass=tokens_per_pass,
+                                     sequence_parallel_size=getattr(self.args, "sequence_parallel_size", 1),
+                                     rank=self.args.process_index, world=self.args.world_size)
+        self.sharing.attach(self.model)
         self._metrics = {split: self._counted(self._new_metric_sums()) for split in ("train", "eval")}
         self._pairs_trained = 0.0
         self._train_micro: MicroBatches | None = None
@@ -112,31 +121,10 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         self.run_callback = RunCallback(self)
         self.add_callback(self.run_callback)
 
-    def _init_sequence_parallel(self, model) -> None:
-        """This rank's sequence-parallel group (`sequence_parallel_size`; None for 1), checked against `model` and
-        attached to it (`core.sequence_parallel`); the data-parallel rank and world the loaders deal to."""
-        size = getattr(self.args, "sequence_parallel_size", 1)
-        if size > 1:
-            sequence_parallel.check_model(model, size)
-        self.sequence_parallel = sequence_parallel.new_sequence_parallel(size)
-        self._dp_rank, self._dp_world = sequence_parallel.data_parallel(size) if size > 1 else (
-            self.args.process_index, self.args.world_size)
-        self._attach_sequence_parallel(model)
-
-    def _attach_sequence_parallel(self, *models) -> None:
-        """Every pass of `models` (the policy, a separate reference) runs over this rank's group."""
-        for model in models:
-            if model is not None:
-                sequence_parallel.attach(model, self.sequence_parallel)
-
-    @property
-    def sp_size(self) -> int:
-        return 1 if getattr(self, "sequence_parallel", None) is None else self.sequence_parallel.size
-
     def _counted(self, sums: MetricSums) -> MetricSums:
-        """`sums`, counted in the reduce over ranks only on the first rank of each sequence-parallel group (every
-        rank of a group sees the same lines and pairs)."""
-        sums.counted = self.sequence_parallel is None or self.sequence_parallel.rank == 0
+        """`sums`, counted in the reduce over ranks only on the first rank of each sequence-parallel group
+        (`SharingRun.counted`)."""
+        sums.counted = self.sharing.counted
         return sums
 
     def create_accelerator_and_postprocess(self):
@@ -162,7 +150,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
     def _loader_settings(self, *, train: bool) -> LoaderSettings:
         size = self._train_batch_size if train else self.args.per_device_eval_batch_size
         return loader_settings(self.args, train=train, batch_size=size, pad_token=self.pad_token_id,
-                               backend=self.backend)
+                               backend=self.sharing.backend)
 
     def _reference_table(self, examples, name: str):
         """Precomputed per-response reference sums for `examples`, or None (no precomputed reference)."""
@@ -170,8 +158,8 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
 
     def _micro_batches(self, examples, *, train: bool, name: str = "train") -> MicroBatches:
         # the ranks of a sequence-parallel group run the same micro-batches: the data-parallel rank and world
-        return MicroBatches(examples, self._loader_settings(train=train), rank=self._dp_rank,
-                            world_size=self._dp_world, ref_table=self._reference_table(examples, name))
+        return MicroBatches(examples, self._loader_settings(train=train), rank=self.sharing.dp_rank,
+                            world_size=self.sharing.dp_world, ref_table=self._reference_table(examples, name))
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -216,7 +204,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
         """W / N: what a micro-batch's summed pair losses are multiplied by (module docstring); M / N with M
         data-parallel groups of sequence-parallel ranks, whose backward already sums each group's ranks
         (`core.sequence_parallel`)."""
-        return self.accelerator.num_processes / self.sp_size / max(self._micro_batch(inputs).step_pairs, 1)
+        return self.accelerator.num_processes / self.sharing.sp_size / max(self._micro_batch(inputs).step_pairs, 1)
 
     # ---- evaluation and logging -------------------------------------------------------------
 
@@ -261,7 +249,7 @@ class PrefixTrainerBase(SurvivingRun, Trainer):
             return
         micro = self._micro_batch(inputs)
         tokens = torch.tensor(micro.slots if how == "all" else micro.real_tokens, device=self.args.device)
-        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item()) // self.sp_size
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item()) // self.sharing.sp_size
 
     # ---- checkpoints --------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ class RunCallback(TrainerCallback):
         self.trainer._metrics["train"].reset()  # throughput excludes set-up
         # the model is prepared by now: say which engine runs it (and that FSDP really sharded it)
         self.trainer.engine_description = describe_engine(self.trainer.accelerator, model or self.trainer.model)
-        sp = getattr(self.trainer, "sequence_parallel", None)
+        sp = self.trainer.sharing.sequence_parallel
         if sp is not None:
             groups = self.trainer.accelerator.num_processes // sp.size
             self.trainer.engine_description += f"; sequence parallel: {groups} group(s) of {sp.size} ranks per line"

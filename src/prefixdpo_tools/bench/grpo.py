@@ -282,8 +282,9 @@ class GroupTrainingStep:
                     for m in models:
                         stack.enter_context(stock_attention(m))
                 yield
-        finally:
-            trainer.group_settings = saved
+        finally:  # through change_settings, as every change: the run's sharing follows the settings
+            trainer.change_settings(prefix_sharing=saved.prefix_sharing, packing=saved.packing,
+                                    pack_length=saved.pack_length)
 
     def run(self, rollout: Rollout, mode: str) -> float:
         """One step; returns the mean completion-token entropy TRL's loss logged in its first iteration (a
