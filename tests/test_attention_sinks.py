@@ -64,6 +64,39 @@ def test_the_window_slides_along_each_sequence_as_transformers_does():
     assert mask[5].nonzero().flatten().tolist() == [1, 2, 5]  # b0 at position 3: p1, p2 and itself (not a0, a1)
 
 
+@pytest.mark.parametrize("layout", ["paired", "k4", "packed", "trie"])
+def test_the_flex_rule_slides_the_same_window(layout):
+    """FlexAttention's windowed mask_mod (`masks.depths`: each column's position from the spans alone, equal to the
+    lines' position ids) gives, as a dense view (`create_mask`, attention-gym's check), the dense mask's windowed
+    rule, for a whole line and for a chunk over a cached prefix (queries from column 8)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from prefixdpo.core.attention.masks import depths, mask_mod
+    from prefixdpo.core.verify import verify_batch
+
+    examples, options = layouts()[layout]
+    batch = verify_batch(examples, **options)
+    B, L = batch.input_ids.shape
+    assert torch.equal(depths(batch.spans), batch.position_ids)
+    for queries_from in (0, 8):
+        rule = windowed(dense_mask(batch.spans, queries_from), WINDOW)
+        flex = create_mask(mask_mod(batch.spans, queries_from, WINDOW), B, None, L - queries_from, L, device="cpu")
+        assert torch.equal(flex, rule), (layout, queries_from)
+        assert not torch.equal(rule, dense_mask(batch.spans, queries_from))  # the window cuts
+
+
+def test_a_plans_window_mask_is_built_once_per_pass():
+    from prefixdpo.core.attention.pass_plan import plan_pass, window_mask
+    from prefixdpo.core.verify import verify_batch
+
+    examples, options = layouts()["trie"]
+    plan = plan_pass(verify_batch(examples, **options), "sdpa")
+    assert window_mask(plan, WINDOW) is window_mask(plan, WINDOW)
+    assert torch.equal(window_mask(plan, WINDOW), windowed(plan.mask, WINDOW))
+    with pytest.raises(ValueError, match="segmented backend does not slide"):
+        window_mask(plan_pass(verify_batch(examples, **options), "segmented"), WINDOW)
+
+
 def test_sinks_are_refused_in_one_line_on_backends_without_them():
     model = tiny_hybrid_lm("gpt_oss")
     for backend in ("segmented", "varlen"):

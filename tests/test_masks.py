@@ -69,15 +69,18 @@ def _flex_available() -> bool:
 
 
 @pytest.mark.skipif(not _flex_available(), reason="this torch has no FlexAttention")
-def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch):
+# a sliding window of 5, shorter than the packed sequences: flex's windowed BlockMask (`pass_plan.window_mask`)
+@pytest.mark.parametrize("config", [{}, dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)])
+def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch, config):
     from prefixdpo.core.forward import compute_response_logps
     from prefixdpo.core.model_checks import prepare_model
 
     # A private inductor cache: measured, kernels cached under one ATEN_CPU_CAPABILITY and reused under
     # another (avx512 -> avx2) gave log-probs off by 6.0; the cache key does not include the capability.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    model = tiny_model("qwen2")
+    model = tiny_model("qwen2", **config)
     batch = packed_batch()
+    assert not config or batch.max_sequence_length > config["sliding_window"]
     prepare_model(model, "sdpa")
     with torch.no_grad():
         sdpa = compute_response_logps(model, batch, plan_pass(batch, "sdpa")).sums

@@ -55,8 +55,8 @@ def sliding_window_of(model) -> int | None:
 
 def check_sequences_fit_window(model, batch: Batch, backend: str) -> None:
     """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window on a
-    `backend` that does not slide it over a shared row (flex, segmented, varlen; the dense sdpa mask slides it,
-    `masks.windowed`; a model on its own attention, the `STOCK` route, slides exactly: nothing to check)."""
+    `backend` that does not slide it over a shared row (segmented, varlen; sdpa's and flex's masks slide it,
+    `pass_plan.window_mask`; a model on its own attention, the `STOCK` route, slides exactly: nothing to check)."""
     base = base_model(model)
     if on_stock_route(base) or backend in WINDOWED_BACKENDS:
         return
@@ -65,7 +65,7 @@ def check_sequences_fit_window(model, batch: Batch, backend: str) -> None:
         raise UnsupportedModelError(
             f"sliding-window attention (window {window}) is shorter than a sequence of "
             f"{batch.max_sequence_length} tokens in this batch; prefixdpo's {backend} attention would not reproduce "
-            f"it (set max_length <= {window}, or use --attention sdpa)"
+            f"it (set max_length <= {window}, or use --attention sdpa or flex)"
         )
 
 

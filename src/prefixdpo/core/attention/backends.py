@@ -17,8 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.flex_compile import allow_flex_recompiles
-from prefixdpo.core.attention.masks import windowed
-from prefixdpo.core.attention.pass_plan import SHARED_PROMPT, PassPlan
+from prefixdpo.core.attention.pass_plan import SHARED_PROMPT, PassPlan, window_mask
 from prefixdpo.core.attention.segments import segmented_attention
 from prefixdpo.core.attention.shared_prompt import shared_prompt_attention
 from prefixdpo.core.attention.sinks import has_sinks, sink_attention
@@ -26,9 +25,9 @@ from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
-# the backends that slide a layer's window over a prefix-shared line (`masks.windowed`); on the others a sequence must
-# fit in the window (`model_checks.check_sequences_fit_window`)
-WINDOWED_BACKENDS = ("sdpa",)
+# the backends that slide a layer's window over a prefix-shared line (`pass_plan.window_mask`); on the others a
+# sequence must fit in the window (`model_checks.check_sequences_fit_window`)
+WINDOWED_BACKENDS = ("sdpa", "flex")
 
 
 def _is_block_mask(mask) -> bool:
@@ -96,17 +95,17 @@ def _sdpa(module, query, key, value, mask, **kwargs):
 def _dense(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
     """The sdpa backend: the plan's dense bool [B, 1, L, Lk] mask, under the layer's sliding window where it has one
     (`masks.windowed`); a layer with attention sinks runs its model's own eager attention over it (`sinks`)."""
-    mask = plan.mask
-    if kwargs.get("sliding_window"):
-        mask = windowed(mask, int(kwargs["sliding_window"]))
+    mask = window_mask(plan, int(kwargs["sliding_window"])) if kwargs.get("sliding_window") else plan.mask
     if has_sinks(kwargs):
         return sink_attention(module, query, key, value, mask, **kwargs)
     return _sdpa(module, query, key, value, mask, **kwargs)
 
 
 def _flex(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
-    """The flex backend: FlexAttention over the plan's BlockMask."""
-    return flex_attention_forward(module, query, key, value, plan.mask, **kwargs)
+    """The flex backend: FlexAttention over the plan's BlockMask, or its windowed one for a sliding layer
+    (`pass_plan.window_mask`)."""
+    mask = window_mask(plan, int(kwargs["sliding_window"])) if kwargs.get("sliding_window") else plan.mask
+    return flex_attention_forward(module, query, key, value, mask, **kwargs)
 
 
 def _refuse_features(kwargs: dict, backend: str, instead: str) -> None:

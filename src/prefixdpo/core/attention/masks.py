@@ -35,11 +35,27 @@ def dense_mask(spans: torch.Tensor, queries_from: int = 0) -> torch.Tensor:
     return ancestor[:, None]
 
 
-def mask_mod(spans: torch.Tensor, queries_from: int = 0) -> MaskMod:
+def depths(spans: torch.Tensor) -> torch.Tensor:
+    """Each column's depth [B, L] long: how many ancestors it has, i.e. its position in its own sequence (0 for a
+    root and for padding). spans [B, L, 2] in the depth-first layout (`data.lines`: tin is the column), so the
+    ancestors of column j are the columns k <= j whose subtree [k, tout[k]) holds j: +1 at each real k, -1 at its
+    tout, summed along the line, counts them (j itself included)."""
+    B, L, _ = spans.shape
+    tin, tout = spans[..., 0], spans[..., 1]
+    real = tin >= 0
+    steps = torch.zeros(B, L + 1, dtype=torch.long, device=spans.device)
+    steps.scatter_add_(1, torch.where(real, tin, L), real.long())
+    steps.scatter_add_(1, torch.where(real, tout, L), -real.long())
+    return (steps[:, :L].cumsum(1) - 1).clamp_min(0)
+
+
+def mask_mod(spans: torch.Tensor, queries_from: int = 0, window: int | None = None) -> MaskMod:
     """The rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; spans: [B, L, 2] (tin, tout); query q is column
-    q + queries_from (see `dense_mask`)."""
+    q + queries_from (see `dense_mask`). window: a sliding layer's, keeping the keys fewer than `window` positions
+    back along the query's sequence (`depths`; the dense mask's `windowed`)."""
     # contiguous [B, L] buffers: inductor's CPU flex kernel refuses strided views inside a mask_mod
     tin, tout = spans[..., 0].contiguous(), spans[..., 1].contiguous()
+    depth = depths(spans).contiguous() if window is not None else None
 
     def ancestor_or_self(b, h, q_idx, kv_idx):
         q = q_idx + queries_from
@@ -47,17 +63,23 @@ def mask_mod(spans: torch.Tensor, queries_from: int = 0) -> MaskMod:
         ancestor = (tin_kv <= tin[b, q]) & (tin[b, q] < tout[b, kv_idx]) & (tin_kv >= 0)
         return ancestor | (q == kv_idx)
 
-    return ancestor_or_self
+    if depth is None:
+        return ancestor_or_self
+
+    def within_window(b, h, q_idx, kv_idx):
+        return ancestor_or_self(b, h, q_idx, kv_idx) & (depth[b, q_idx + queries_from] - depth[b, kv_idx] < window)
+
+    return within_window
 
 
-def block_mask(spans: torch.Tensor, *, block_size: int = 128, queries_from: int = 0):
+def block_mask(spans: torch.Tensor, *, block_size: int = 128, queries_from: int = 0, window: int | None = None):
     """The rule as a FlexAttention BlockMask over [B, L] lines (L should be a multiple of block_size), its queries
-    the columns from `queries_from` on (see `dense_mask`)."""
+    the columns from `queries_from` on (see `dense_mask`), under a sliding `window` if given (`mask_mod`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L, _ = spans.shape
-    return create_block_mask(mask_mod(spans, queries_from), B, None, L - queries_from, L, device=spans.device,
-                             BLOCK_SIZE=block_size)
+    return create_block_mask(mask_mod(spans, queries_from, window), B, None, L - queries_from, L,
+                             device=spans.device, BLOCK_SIZE=block_size)
 
 
 def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from prefixdpo.core.attention import varlen
-from prefixdpo.core.attention.masks import block_mask, dense_mask
+from prefixdpo.core.attention.masks import block_mask, dense_mask, windowed
 from prefixdpo.core.attention.reuse_plan import PrefixReuse, plan_reuse
 from prefixdpo.core.attention.segments import build_segment_plan
 
@@ -53,6 +53,7 @@ class PassPlan:
     backend: str
     mask: Any = None
     queries_from: int = 0
+    key_spans: torch.Tensor | None = None  # [B, Lk, 2]: the keys' spans (from column 0), where queries_from > 0
     reuse: PrefixReuse | None = None
     prefix_kv: Any = None  # prefix_kv.PrefixKV
     sequence_parallel: Any = None  # sequence_parallel.SequenceParallel
@@ -107,7 +108,32 @@ def plan_pass(lines, backend: str, *, segment_waste: float = 0.25, queries_from:
         if reuse is not None:
             return PassPlan(spans=spans, backend=backend, reuse=reuse)
     mask = _line_mask(spans, backend, segment_waste, queries_from)
-    return PassPlan(spans=spans[:, queries_from:], backend=backend, mask=mask, queries_from=queries_from)
+    return PassPlan(spans=spans[:, queries_from:], backend=backend, mask=mask, queries_from=queries_from,
+                    key_spans=spans if queries_from else None)
+
+
+# every sliding layer of a pass slides the same window: (the last plan, {window: its mask}), built once per pass
+_window_masks: tuple[PassPlan, dict] | None = None
+
+
+def window_mask(plan: PassPlan, window: int):
+    """The plan's mask under a sliding layer's `window` (sdpa: the dense mask, `masks.windowed`; flex: a BlockMask of
+    the windowed rule, `masks.block_mask`), built once for the last plan (every sliding layer of the pass, and
+    gradient checkpointing's recompute, asks for the same one); nothing is written onto the plan."""
+    global _window_masks
+    if _window_masks is None or _window_masks[0] is not plan:
+        _window_masks = (plan, {})
+    masks = _window_masks[1]
+    if window not in masks:
+        if plan.backend == "flex":
+            keys = plan.spans if plan.key_spans is None else plan.key_spans
+            masks[window] = block_mask(keys, block_size=plan.mask.BLOCK_SIZE[0], queries_from=plan.queries_from,
+                                       window=window)
+        elif plan.backend == "sdpa":
+            masks[window] = windowed(plan.mask, window)
+        else:
+            raise ValueError(f"the {plan.backend} backend does not slide a window over a shared line")
+    return masks[window]
 
 
 def reuse_pass_plan(spans: torch.Tensor, reuse: PrefixReuse) -> PassPlan:
@@ -123,4 +149,4 @@ def decoding_plan(cache, rows: int, device) -> PassPlan:
     return PassPlan(spans=empty, backend=SHARED_PROMPT, shared_prompt=cache)
 
 
-__all__ = ["PassPlan", "SHARED_PROMPT", "STOCK", "decoding_plan", "plan_pass", "reuse_pass_plan"]
+__all__ = ["PassPlan", "SHARED_PROMPT", "STOCK", "decoding_plan", "plan_pass", "reuse_pass_plan", "window_mask"]
