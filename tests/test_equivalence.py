@@ -60,18 +60,20 @@ def test_broken_layout_is_detected():
 
 def test_sliding_window_shorter_than_sequence_is_refused_on_a_backend_without_windows():
     model = tiny_model("mistral", sliding_window=6)
-    prepare_model(model, "segmented")
+    prepare_model(model, "sdpa")
     batch = build_batch(random_examples())
-    mask = plan_pass(batch, "segmented")
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention .* or use --attention sdpa"):
+    mask = plan_pass(batch, "varlen")  # FlashAttention varlen (CUDA) slides no window over a shared line
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention .* or use --attention sdpa or flex"):
         compute_response_logps(model, batch, mask)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "segmented"])
 @pytest.mark.parametrize("packs", [None, [[0, 1, 2]]])
-def test_sliding_window_shorter_than_sequences_is_exact_on_the_dense_mask(packs):
-    """A window of 6 under sequences of up to 11 tokens: the dense mask slides it along each sequence of a shared
-    (and packed) line (`masks.windowed`)."""
-    result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs)
+def test_sliding_window_shorter_than_sequences_is_exact(packs, backend):
+    """A window of 6 under sequences of up to 11 tokens: the dense mask (`masks.windowed`) and each segment's mask
+    (`segments._group_mask`, with no causal shortcut where the window cuts) slide it along each sequence of a shared
+    (and packed) line."""
+    result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs, backend=backend)
     assert_matches_separate_passes(result)
 
 
@@ -146,7 +148,7 @@ def test_segmented_plan_covers_only_allowed_pairs():
         q_at += q.numel()
         k_at += k.numel()
         for s in range(g.num_segments):
-            m = g.mask[s, 0]
+            m = g.mask()[s, 0]
             for i in range(g.num_queries):
                 real_query = plan.out_index[q[s, i]] == q_at - q.numel() + s * g.num_queries + i
                 if real_query:

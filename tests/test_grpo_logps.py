@@ -61,6 +61,7 @@ def values_and_grads(pass_fn, model, weights):
     ("opt", False, 0.7, 3, "sdpa"),
     # a sliding window of 8 shorter than the rows: the dense mask slides it over the shared lines (masks.windowed)
     (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)), True, 1.0, None, "sdpa"),
+    (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)), False, 1.0, 3, "segmented"),
 ])
 def test_logps_entropies_and_grads_equal_trl(tmp_path, arch, packing, temperature, batch_size, attention):
     arch, config = arch if isinstance(arch, tuple) else (arch, {})
@@ -194,8 +195,13 @@ def test_fallback_is_trl_exactly_and_said_once(tmp_path, caplog):
     assert len(said) == 1 and "TRL's own layout" in said[0].getMessage()
 
 
-def test_sliding_window_shorter_than_the_rows_runs_trls_pass_on_a_backend_without_windows(tmp_path, caplog):
-    """segmented attention does not slide a window over a shared line (the dense mask does: the equality test)."""
+def test_sliding_window_shorter_than_the_rows_runs_trls_pass_on_a_backend_without_windows(tmp_path, caplog,
+                                                                                        monkeypatch):
+    """A backend that does not slide a window over a shared line (FlashAttention varlen, CUDA only: segmented stands in
+    for it here, taken off the backends that do) runs TRL's pass (sdpa's does slide it: the equality test)."""
+    import prefixdpo.grpo.passes as passes
+
+    monkeypatch.setattr(passes, "WINDOWED_BACKENDS", ("sdpa", "flex"))
     model = tiny_causal_lm("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     trainer = make_trainer(tmp_path, model, attention="segmented")
     input_ids, attention_mask, K = rows_with_groups()

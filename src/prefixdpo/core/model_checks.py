@@ -55,8 +55,8 @@ def sliding_window_of(model) -> int | None:
 
 def check_sequences_fit_window(model, batch: Batch, backend: str) -> None:
     """Refuse a batch whose longest `[prompt][response]` sequence is longer than the model's sliding window on a
-    `backend` that does not slide it over a shared row (segmented, varlen; sdpa's and flex's masks slide it,
-    `pass_plan.window_mask`; a model on its own attention, the `STOCK` route, slides exactly: nothing to check)."""
+    `backend` that does not slide it over a shared row (varlen; sdpa's, flex's and segmented's masks slide it,
+    `backends.WINDOWED_BACKENDS`; a model on its own attention, the `STOCK` route, slides exactly: nothing to check)."""
     base = base_model(model)
     if on_stock_route(base) or backend in WINDOWED_BACKENDS:
         return

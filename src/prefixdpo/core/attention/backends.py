@@ -25,9 +25,9 @@ from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
-# the backends that slide a layer's window over a prefix-shared line (`pass_plan.window_mask`); on the others a
-# sequence must fit in the window (`model_checks.check_sequences_fit_window`)
-WINDOWED_BACKENDS = ("sdpa", "flex")
+# the backends that slide a layer's window over a prefix-shared line (`pass_plan.window_mask`, `segments._group_mask`);
+# on varlen a sequence must fit in the window (`model_checks.check_sequences_fit_window`)
+WINDOWED_BACKENDS = ("sdpa", "flex", "segmented")
 
 
 def _is_block_mask(mask) -> bool:
@@ -118,7 +118,9 @@ def _segmented(module, query, key, value, plan: PassPlan, attention_mask=None, *
     """The segmented backend: SDPA over the allowed blocks of the plan's `SegmentPlan`."""
     _refuse_features(kwargs, "segmented", "the sdpa or flex backend")
     dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
-    return segmented_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"), dropout=dropout), None
+    window = int(kwargs["sliding_window"]) if kwargs.get("sliding_window") else None
+    return segmented_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"), dropout=dropout,
+                               window=window), None
 
 
 def _varlen(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):

@@ -28,9 +28,10 @@ import torch
 class SegmentGroup:
     """S segments padded to Lq queries and Lk keys (segment s: query_counts[s] queries over key_counts[s] keys).
 
-    mask: [S, 1, Lq, Lk] bool, True = may attend (padded queries attend key 0 so no softmax row is empty), built on
-    `device` when asked. additive_mask(dtype): the same as SDPA's additive float mask (0 / -inf), built once per
-    dtype and kept: SDPA would otherwise convert the bool mask in every call (each layer, forward and backward).
+    mask(window): [S, 1, Lq, Lk] bool, True = may attend (padded queries attend key 0 so no softmax row is empty),
+    under a sliding layer's `window` if given, built on `device` when asked. additive_mask(dtype, window): the same as
+    SDPA's additive float mask (0 / -inf), built once per dtype and window and kept: SDPA would otherwise convert the
+    bool mask in every call (each layer, forward and backward).
 
     causal: every segment has as many queries as keys (prompt + first response), so each real query's keys are
     exactly a top-left causal pattern and SDPA runs with `is_causal=True` instead of the mask: measured on CPU
@@ -47,26 +48,36 @@ class SegmentGroup:
     device: torch.device | str = "cpu"
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def mask(self) -> torch.Tensor:
-        return _group_mask(self.query_counts, self.key_counts, self.num_queries, self.num_keys).to(self.device)
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        return _group_mask(self.query_counts, self.key_counts, self.num_queries, self.num_keys,
+                           window).to(self.device)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._masks:  # kept without its bool source: at most 1 + itemsize bytes a cell at a time
-            allowed = self.mask
-            self._masks[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        if (dtype, window) not in self._masks:  # kept without its bool source: at most 1 + itemsize bytes a cell
+            allowed = self.mask(window)
+            self._masks[dtype, window] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
-        return self._masks[dtype]
+        return self._masks[dtype, window]
+
+    def runs_causal(self, window: int | None = None) -> bool:
+        """Whether SDPA runs this group with `is_causal` and no mask: square segments no window cuts into."""
+        return self.causal and (window is None or self.num_keys <= window)
 
 
-def _group_mask(query_counts: list[int], key_counts: list[int], Lq: int, Lk: int) -> torch.Tensor:
+def _group_mask(query_counts: list[int], key_counts: list[int], Lq: int, Lk: int,
+                window: int | None = None) -> torch.Tensor:
     """[S, 1, Lq, Lk] bool: segment s's nq queries see keys bottom-right causally (query i: keys 0 .. nk - nq + i),
-    its padded queries key 0 only; padded keys nothing."""
+    its padded queries key 0 only; padded keys nothing. A segment's keys are its sequence's tokens in order (the run's
+    ancestors from the root, then the run), so key j is at position j and query i at nk - nq + i: a sliding `window`
+    keeps the keys fewer than `window` positions back (transformers' `kv_idx > q_idx - sliding_window`)."""
     mask = torch.zeros(len(query_counts), 1, Lq, Lk, dtype=torch.bool)
     for s, (nq, nk) in enumerate(zip(query_counts, key_counts)):
-        qi = torch.arange(nq)[:, None]
+        qi = torch.arange(nq)[:, None] + (nk - nq)
         kj = torch.arange(nk)[None, :]
-        mask[s, 0, :nq, :nk] = kj <= qi + (nk - nq)
+        allowed = kj <= qi
+        if window is not None:
+            allowed &= kj > qi - window
+        mask[s, 0, :nq, :nk] = allowed
         mask[s, 0, nq:, 0] = True
     return mask
 
@@ -184,10 +195,11 @@ def build_segment_plan(spans: torch.Tensor, *, waste: float = 0.25, min_cells: i
 
 def segmented_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
-    *, scaling: float | None = None, dropout: float = 0.0,
+    *, scaling: float | None = None, dropout: float = 0.0, window: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, L, D], key/value [B, Hkv, Lk, D] -> output [B, L, H, D] (transformers' layout); Lk > L when the
-    keys hold a cached prefix before the queries' own (the plan's `queries_from`).
+    keys hold a cached prefix before the queries' own (the plan's `queries_from`); window: a sliding layer's
+    (`_group_mask`).
 
     One gather for all queries, one for all keys/values, one for the output: per-group gathers would
     each allocate a full-size gradient buffer in backward. `index_select` rather than `t[idx]`: its
@@ -209,9 +221,10 @@ def segmented_attention(
         q = q.view(S, Lq, H, D).transpose(1, 2)
         k = k.view(S, Lk, Hkv, D).transpose(1, 2)
         v = v.view(S, Lk, Hkv, Dv).transpose(1, 2)
+        causal = g.runs_causal(window)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if g.causal else g.additive_mask(q.dtype), dropout_p=dropout, is_causal=g.causal,
-            scale=scaling, enable_gqa=Hkv != H,
+            q, k, v, attn_mask=None if causal else g.additive_mask(q.dtype, window), dropout_p=dropout,
+            is_causal=causal, scale=scaling, enable_gqa=Hkv != H,
         )  # [S, H, Lq, Dv]
         outs.append(o.transpose(1, 2).reshape(S * Lq, H, Dv))
     outs.append(q_all.new_zeros(1, H, Dv))  # the row padding tokens read
