@@ -1,7 +1,7 @@
 """gpt-oss (attention sinks, sliding windows) on prefix-shared lines, exact on the CPU's dense-mask backend.
 
 The sdpa backend runs gpt-oss's own eager attention with its sinks over the rule's mask (`core.attention.sinks`) and
-slides each sliding layer's window along every sequence of a shared line (`masks.windowed`). Against stock separate
+slides each sliding layer's window along every sequence of a shared line (`masks.dense_mask`). Against stock separate
 passes (gpt-oss's own eager attention, each `[prompt][response]` alone: `core.verify.separate_pass_logps`), every
 response's log-prob sum is within K_FORWARD eps x the largest |sum| and every gradient of a DPO-shaped loss within
 K eps x the largest entry (`tolerances`), fp32, on a paired line, a line of K = 4 responses, two examples packed in a
@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from prefixdpo.core.attention.masks import dense_mask, windowed
+from prefixdpo.core.attention.masks import dense_mask
 from prefixdpo.core.fit import longest_sequence
 from prefixdpo.core.model_checks import prepare_model, refusal
 from prefixdpo_tools.hybrid_models import tiny_hybrid_lm
@@ -55,11 +55,11 @@ def test_the_window_slides_along_each_sequence_as_transformers_does():
     chain = torch.stack([torch.arange(L), torch.full((L,), L)], -1)[None]  # one sequence: each token a chain node
     q, kv = torch.arange(L)[:, None], torch.arange(L)[None]
     expected = (kv <= q) & (kv > q - 3)
-    assert torch.equal(windowed(dense_mask(chain), 3)[0, 0], expected)
+    assert torch.equal(dense_mask(chain, window=3)[0, 0], expected)
     # [p0 p1 p2 | a0 a1 | b0 b1 b2]: a's and b's tokens continue the prompt's positions
     tout = [8, 8, 8, 5, 5, 8, 8, 8]
     spans = torch.tensor([[i, t] for i, t in enumerate(tout)])[None]
-    mask = windowed(dense_mask(spans), 3)[0, 0]
+    mask = dense_mask(spans, window=3)[0, 0]
     assert mask[7].nonzero().flatten().tolist() == [5, 6, 7]  # b2 at position 5: b0, b1 and itself
     assert mask[5].nonzero().flatten().tolist() == [1, 2, 5]  # b0 at position 3: p1, p2 and itself (not a0, a1)
 
@@ -79,22 +79,29 @@ def test_the_flex_rule_slides_the_same_window(layout):
     B, L = batch.input_ids.shape
     assert torch.equal(depths(batch.spans), batch.position_ids)
     for queries_from in (0, 8):
-        rule = windowed(dense_mask(batch.spans, queries_from), WINDOW)
+        rule = dense_mask(batch.spans, queries_from, WINDOW)
         flex = create_mask(mask_mod(batch.spans, queries_from, WINDOW), B, None, L - queries_from, L, device="cpu")
         assert torch.equal(flex, rule), (layout, queries_from)
         assert not torch.equal(rule, dense_mask(batch.spans, queries_from))  # the window cuts
 
 
-def test_a_plans_window_mask_is_built_once_per_pass():
-    from prefixdpo.core.attention.pass_plan import plan_pass, window_mask
+def test_a_plans_derived_masks_are_built_once_per_pass():
+    """Every sliding layer of a pass reads one windowed mask, every sink layer one additive mask (`plan_mask`)."""
+    from prefixdpo.core.attention.pass_plan import plan_mask, plan_pass
     from prefixdpo.core.verify import verify_batch
 
     examples, options = layouts()["trie"]
-    plan = plan_pass(verify_batch(examples, **options), "sdpa")
-    assert window_mask(plan, WINDOW) is window_mask(plan, WINDOW)
-    assert torch.equal(window_mask(plan, WINDOW), windowed(plan.mask, WINDOW))
+    batch = verify_batch(examples, **options)
+    plan = plan_pass(batch, "sdpa")
+    assert plan_mask(plan) is plan.mask
+    assert plan_mask(plan, WINDOW) is plan_mask(plan, WINDOW)
+    assert torch.equal(plan_mask(plan, WINDOW), dense_mask(batch.spans, window=WINDOW))
+    additive = plan_mask(plan, WINDOW, additive=torch.float32)
+    assert additive is plan_mask(plan, WINDOW, additive=torch.float32)
+    assert torch.equal(additive == 0, plan_mask(plan, WINDOW))
+    assert additive.min() == torch.finfo(torch.float32).min
     with pytest.raises(ValueError, match="segmented backend does not slide"):
-        window_mask(plan_pass(verify_batch(examples, **options), "segmented"), WINDOW)
+        plan_mask(plan_pass(batch, "segmented"), WINDOW)
 
 
 def test_sinks_are_refused_in_one_line_on_backends_without_them():

@@ -300,7 +300,7 @@ def test_sliding_window_is_checked_for_the_whole_dataset():
                                                   r"than the sliding-window attention of MistralForCausalLM "
                                                   r"\(window 8\).*: set --max_length 8 or less$"):
         check_positions(model, [_example(4, 4, 2), _example(4, 5, 2, index=3)])
-    # the dense mask slides the window over a shared row (`masks.windowed`): only the positions bind there
+    # the dense mask slides the window over a shared row (`masks.dense_mask`): only the positions bind there
     check_positions(model, [_example(4, 4, 2), _example(4, 5, 2, index=3)], backend="sdpa")
 
 

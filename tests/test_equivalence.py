@@ -70,7 +70,7 @@ def test_sliding_window_shorter_than_sequence_is_refused_on_a_backend_without_wi
 @pytest.mark.parametrize("backend", ["sdpa", "segmented"])
 @pytest.mark.parametrize("packs", [None, [[0, 1, 2]]])
 def test_sliding_window_shorter_than_sequences_is_exact(packs, backend):
-    """A window of 6 under sequences of up to 11 tokens: the dense mask (`masks.windowed`) and each segment's mask
+    """A window of 6 under sequences of up to 11 tokens: the dense mask (`masks.dense_mask`) and each segment's mask
     (`segments._group_mask`, with no causal shortcut where the window cuts) slide it along each sequence of a shared
     (and packed) line."""
     result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs, backend=backend)

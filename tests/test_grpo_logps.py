@@ -59,7 +59,7 @@ def values_and_grads(pass_fn, model, weights):
     ("llama", False, 1.0, 3, "segmented"),
     ("gpt2", True, 1.0, None, "sdpa"),
     ("opt", False, 0.7, 3, "sdpa"),
-    # a sliding window of 8 shorter than the rows: the dense mask slides it over the shared lines (masks.windowed)
+    # a sliding window of 8 shorter than the rows: the dense mask slides it over the shared lines (masks.dense_mask)
     (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)), True, 1.0, None, "sdpa"),
     (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)), False, 1.0, 3, "segmented"),
 ])

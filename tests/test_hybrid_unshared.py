@@ -325,7 +325,8 @@ def test_reward_steps_equal_trl_reward_trainer_on_gpt_oss(saved, tmp_path):
 # Weight matrices at std 0.05 for the GRPO comparison: at the suite's std 0.2 this tiny Qwen3.5 is ill-conditioned under
 # SGD steps at lr 0.5: TRL against itself, its initial weights moved by ~1 ulp, logs grad_norms 18.6, 242, 1717 and
 # 24516 eps x their scale apart at steps 1-4 (measured), so no run, TRL's own included, reproduces another to rounding
-# there (prefix sharing against TRL: 131 at step 2, the same growth). At std 0.05 TRL against itself: 1.1, 6.3, 31.7, 51.
+# there (prefix sharing against TRL: 131 at step 2, the same growth). At std 0.05 TRL against itself: 1.1, 6.3, 31.7,
+# 51.
 GRPO_STD = 0.05
 
 

@@ -69,7 +69,7 @@ def _flex_available() -> bool:
 
 
 @pytest.mark.skipif(not _flex_available(), reason="this torch has no FlexAttention")
-# a sliding window of 5, shorter than the packed sequences: flex's windowed BlockMask (`pass_plan.window_mask`)
+# a sliding window of 5, shorter than the packed sequences: flex's windowed BlockMask (`pass_plan.plan_mask`)
 @pytest.mark.parametrize("config", [{}, dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)])
 def test_flex_forward_matches_sdpa_on_cpu(tmp_path, monkeypatch, config):
     from prefixdpo.core.forward import compute_response_logps

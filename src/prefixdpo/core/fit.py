@@ -104,8 +104,9 @@ def model_limits(model, *, window: bool = True) -> list[tuple[int, str]]:
     # a model on its own attention (`core.stock_attention`, prefix sharing off) slides its window itself
     size = sliding_window_of(hf) if window and not on_stock_route(hf) else None
     if size is not None:
-        limits.append((size, f"the sliding-window attention of {type(hf).__name__} (window {size}), which "
-                             "this attention backend does not slide over a shared row (--attention sdpa, flex or segmented do)"))
+        limits.append((size, f"the sliding-window attention of {type(hf).__name__} (window {size}), which this "
+                             "attention backend does not slide over a shared row (--attention sdpa, flex or segmented "
+                             "do)"))
     return limits
 
 

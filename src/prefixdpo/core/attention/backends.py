@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prefixdpo.core.attention import varlen
 from prefixdpo.core.attention.flex_compile import allow_flex_recompiles
-from prefixdpo.core.attention.pass_plan import SHARED_PROMPT, PassPlan, window_mask
+from prefixdpo.core.attention.pass_plan import SHARED_PROMPT, PassPlan, plan_mask
 from prefixdpo.core.attention.segments import segmented_attention
 from prefixdpo.core.attention.shared_prompt import shared_prompt_attention
 from prefixdpo.core.attention.sinks import has_sinks, sink_attention
@@ -25,7 +25,7 @@ from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
-# the backends that slide a layer's window over a prefix-shared line (`pass_plan.window_mask`, `segments._group_mask`);
+# the backends that slide a layer's window over a prefix-shared line (`pass_plan.plan_mask`, `segments._group_mask`);
 # on varlen a sequence must fit in the window (`model_checks.check_sequences_fit_window`)
 WINDOWED_BACKENDS = ("sdpa", "flex", "segmented")
 
@@ -92,20 +92,25 @@ def _sdpa(module, query, key, value, mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
+def _sliding_window(kwargs: dict) -> int | None:
+    """The window of a sliding layer's attention call (None: a full-attention layer)."""
+    return int(kwargs["sliding_window"]) if kwargs.get("sliding_window") else None
+
+
 def _dense(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
     """The sdpa backend: the plan's dense bool [B, 1, L, Lk] mask, under the layer's sliding window where it has one
-    (`masks.windowed`); a layer with attention sinks runs its model's own eager attention over it (`sinks`)."""
-    mask = window_mask(plan, int(kwargs["sliding_window"])) if kwargs.get("sliding_window") else plan.mask
+    (`pass_plan.plan_mask`); a layer with attention sinks runs its model's own eager attention over it as an additive
+    mask (`sinks`)."""
+    window = _sliding_window(kwargs)
     if has_sinks(kwargs):
-        return sink_attention(module, query, key, value, mask, **kwargs)
-    return _sdpa(module, query, key, value, mask, **kwargs)
+        return sink_attention(module, query, key, value, plan_mask(plan, window, additive=query.dtype), **kwargs)
+    return _sdpa(module, query, key, value, plan_mask(plan, window), **kwargs)
 
 
 def _flex(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
     """The flex backend: FlexAttention over the plan's BlockMask, or its windowed one for a sliding layer
-    (`pass_plan.window_mask`)."""
-    mask = window_mask(plan, int(kwargs["sliding_window"])) if kwargs.get("sliding_window") else plan.mask
-    return flex_attention_forward(module, query, key, value, mask, **kwargs)
+    (`pass_plan.plan_mask`)."""
+    return flex_attention_forward(module, query, key, value, plan_mask(plan, _sliding_window(kwargs)), **kwargs)
 
 
 def _refuse_features(kwargs: dict, backend: str, instead: str) -> None:
@@ -118,9 +123,8 @@ def _segmented(module, query, key, value, plan: PassPlan, attention_mask=None, *
     """The segmented backend: SDPA over the allowed blocks of the plan's `SegmentPlan`."""
     _refuse_features(kwargs, "segmented", "the sdpa or flex backend")
     dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
-    window = int(kwargs["sliding_window"]) if kwargs.get("sliding_window") else None
     return segmented_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"), dropout=dropout,
-                               window=window), None
+                               window=_sliding_window(kwargs)), None
 
 
 def _varlen(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):

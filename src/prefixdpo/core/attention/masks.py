@@ -20,17 +20,22 @@ import torch
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def dense_mask(spans: torch.Tensor, queries_from: int = 0) -> torch.Tensor:
+def dense_mask(spans: torch.Tensor, queries_from: int = 0, window: int | None = None) -> torch.Tensor:
     """The rule as a boolean mask [B, 1, L - queries_from, L] (True = may attend), for SDPA.
 
     spans: [B, L, 2] long, (tin, tout) of each slot's node; (-1, -1) for padding. queries_from: the queries are the
-    columns from there on (the first ones are a cached prefix: keys only, `core.prefix_reuse`).
+    columns from there on (the first ones are a cached prefix: keys only, `core.prefix_reuse`). window: a sliding
+    layer's, keeping the keys fewer than `window` positions back along the query's sequence (`depths`; transformers'
+    `kv_idx > q_idx - sliding_window`).
     """
     tin, tout = spans[..., 0], spans[..., 1]
     L = tin.shape[1]
     q_tin = tin[:, queries_from:]
     ancestor = (tin[:, None, :] <= q_tin[:, :, None]) & (q_tin[:, :, None] < tout[:, None, :])  # [B, q, kv]
     ancestor &= tin[:, None, :] >= 0
+    if window is not None:
+        depth = depths(spans)
+        ancestor &= depth[:, queries_from:, None] - depth[:, None, :] < window
     ancestor |= torch.eye(L, dtype=torch.bool, device=tin.device)[queries_from:][None]
     return ancestor[:, None]
 
@@ -52,7 +57,7 @@ def depths(spans: torch.Tensor) -> torch.Tensor:
 def mask_mod(spans: torch.Tensor, queries_from: int = 0, window: int | None = None) -> MaskMod:
     """The rule as a FlexAttention mask_mod(b, h, q, kv) -> bool; spans: [B, L, 2] (tin, tout); query q is column
     q + queries_from (see `dense_mask`). window: a sliding layer's, keeping the keys fewer than `window` positions
-    back along the query's sequence (`depths`; the dense mask's `windowed`)."""
+    back along the query's sequence (`depths`, as `dense_mask`)."""
     # contiguous [B, L] buffers: inductor's CPU flex kernel refuses strided views inside a mask_mod
     tin, tout = spans[..., 0].contiguous(), spans[..., 1].contiguous()
     depth = depths(spans).contiguous() if window is not None else None
@@ -81,14 +86,3 @@ def block_mask(spans: torch.Tensor, *, block_size: int = 128, queries_from: int 
     return create_block_mask(mask_mod(spans, queries_from, window), B, None, L - queries_from, L,
                              device=spans.device, BLOCK_SIZE=block_size)
 
-
-def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
-    """The rule's dense mask [B, 1, Lq, Lk] under a sliding window: each query keeps the keys fewer than `window`
-    positions back along its own sequence (transformers' `kv_idx > q_idx - sliding_window`).
-
-    The distance needs no position ids: a query attends exactly its ancestors and itself, laid out depth first, so
-    they are its sequence's tokens in order, one per position, and a key's distance back is the number of attended
-    keys right of it (the query itself last, at distance 0). Padding attends only itself and keeps it."""
-    attended = mask.to(torch.int32)
-    right_of = attended.sum(-1, keepdim=True) - attended.cumsum(-1)  # attended keys after each column
-    return mask & (right_of < window)

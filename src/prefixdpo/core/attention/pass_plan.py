@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from prefixdpo.core.attention import varlen
-from prefixdpo.core.attention.masks import block_mask, dense_mask, windowed
+from prefixdpo.core.attention.masks import block_mask, dense_mask
 from prefixdpo.core.attention.reuse_plan import PrefixReuse, plan_reuse
 from prefixdpo.core.attention.segments import build_segment_plan
 
@@ -112,28 +112,39 @@ def plan_pass(lines, backend: str, *, segment_waste: float = 0.25, queries_from:
                     key_spans=spans if queries_from else None)
 
 
-# every sliding layer of a pass slides the same window: (the last plan, {window: its mask}), built once per pass
-_window_masks: tuple[PassPlan, dict] | None = None
+# every layer of a pass asks for the same derived masks: (the last plan, {(window, additive dtype): mask})
+_derived_masks: tuple[PassPlan, dict] | None = None
 
 
-def window_mask(plan: PassPlan, window: int):
-    """The plan's mask under a sliding layer's `window` (sdpa: the dense mask, `masks.windowed`; flex: a BlockMask of
-    the windowed rule, `masks.block_mask`), built once for the last plan (every sliding layer of the pass, and
-    gradient checkpointing's recompute, asks for the same one); nothing is written onto the plan."""
-    global _window_masks
-    if _window_masks is None or _window_masks[0] is not plan:
-        _window_masks = (plan, {})
-    masks = _window_masks[1]
-    if window not in masks:
-        if plan.backend == "flex":
-            keys = plan.spans if plan.key_spans is None else plan.key_spans
-            masks[window] = block_mask(keys, block_size=plan.mask.BLOCK_SIZE[0], queries_from=plan.queries_from,
-                                       window=window)
-        elif plan.backend == "sdpa":
-            masks[window] = windowed(plan.mask, window)
-        else:
-            raise ValueError(f"the {plan.backend} backend does not slide a window over a shared line")
-    return masks[window]
+def plan_mask(plan: PassPlan, window: int | None = None, additive: torch.dtype | None = None):
+    """The mask one attention call of `plan` runs: the plan's own, or under a sliding layer's `window` (sdpa: the dense
+    rule, flex: a BlockMask of it, `masks`), and with `additive` (sdpa) as an additive float mask of that dtype (0
+    where allowed, the dtype's min elsewhere: what a model's own eager attention adds to its scores, `sinks`). A
+    derived one is built once for the last plan (every layer of the pass, and gradient checkpointing's recompute, asks
+    for the same); nothing is written onto the plan."""
+    global _derived_masks
+    if window is None and additive is None:
+        return plan.mask
+    if _derived_masks is None or _derived_masks[0] is not plan:
+        _derived_masks = (plan, {})
+    masks = _derived_masks[1]
+    if (window, additive) not in masks:
+        mask = plan.mask if window is None else _windowed(plan, window)
+        if additive is not None:
+            mask = torch.zeros(mask.shape, dtype=additive, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(additive).min)
+        masks[window, additive] = mask
+    return masks[window, additive]
+
+
+def _windowed(plan: PassPlan, window: int):
+    """`plan`'s mask under a sliding `window`, from its keys' spans (sdpa and flex; `masks`)."""
+    keys = plan.spans if plan.key_spans is None else plan.key_spans
+    if plan.backend == "flex":
+        return block_mask(keys, block_size=plan.mask.BLOCK_SIZE[0], queries_from=plan.queries_from, window=window)
+    if plan.backend == "sdpa":
+        return dense_mask(keys, plan.queries_from, window)
+    raise ValueError(f"the {plan.backend} backend does not slide a window over a shared line")
 
 
 def reuse_pass_plan(spans: torch.Tensor, reuse: PrefixReuse) -> PassPlan:
@@ -149,4 +160,4 @@ def decoding_plan(cache, rows: int, device) -> PassPlan:
     return PassPlan(spans=empty, backend=SHARED_PROMPT, shared_prompt=cache)
 
 
-__all__ = ["PassPlan", "SHARED_PROMPT", "STOCK", "decoding_plan", "plan_pass", "reuse_pass_plan", "window_mask"]
+__all__ = ["PassPlan", "SHARED_PROMPT", "STOCK", "decoding_plan", "plan_pass", "plan_mask", "reuse_pass_plan"]

@@ -4,7 +4,7 @@ A sink is a learned logit per head that joins every query's softmax and is then 
 less than one. torch's SDPA has no such term, so the sdpa backend runs the model's OWN eager attention (the
 `eager_attention_forward` of the module's modeling file, which transformers runs for gpt-oss, whose flag says it has no
 SDPA) over the line's rule as an additive mask: the same matmuls, the same sink concatenation, the same softmax, only
-the mask is the prefix-sharing rule (and its sliding window, `masks.windowed`) instead of the causal one. A query
+the mask is the prefix-sharing rule (and its sliding window, `masks.dense_mask`) instead of the causal one. A query
 attends its ancestors and itself, so no row of the mask is empty. The flex backend (CUDA) has sinks of its own
 (transformers' `flex_attention_forward` renormalises by the log-sum-exp with `s_aux`).
 """
@@ -35,15 +35,13 @@ def model_has_sinks(model) -> bool:
                for m in model.modules())
 
 
-def sink_attention(module, query, key, value, mask: torch.Tensor, **kwargs):
-    """query [B, H, Lq, D], key/value [B, Hkv, Lk, D], mask bool [B, 1, Lq, Lk] (True: may attend) -> ([B, Lq, H, D],
-    weights): the module's own eager attention (module docstring) over `mask` as an additive float mask."""
+def sink_attention(module, query, key, value, additive_mask: torch.Tensor, **kwargs):
+    """query [B, H, Lq, D], key/value [B, Hkv, Lk, D], additive_mask [B, 1, Lq, Lk] in query's dtype (0: may attend,
+    the dtype's min: may not; `pass_plan.plan_mask`, built once a pass) -> ([B, Lq, H, D], weights): the module's own
+    eager attention (module docstring) over it."""
     eager = own_eager_attention(module)
     if eager is None:
         raise ValueError(f"{type(module).__name__} hands sink logits to its attention but its modeling file has no "
                          "eager attention prefixdpo could run them with: use --attention flex (CUDA)")
-    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-    additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
-    dropout = kwargs.pop("dropout", 0.0) if module.training else 0.0
-    kwargs.pop("dropout", None)
-    return eager(module, query, key, value, additive, dropout=dropout, **kwargs)
+    dropout = kwargs.pop("dropout", 0.0)
+    return eager(module, query, key, value, additive_mask, dropout=dropout if module.training else 0.0, **kwargs)

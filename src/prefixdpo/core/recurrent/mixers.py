@@ -30,8 +30,8 @@ from prefixdpo.core.recurrent.states import RunStates
 # kwargs of a whole-line pass that must not reach a call over some of its columns: flash varlen's sequence lengths
 _LINE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 
-# every layer of a pass plans the same spans once: (spans, their column offset, roots from a state) -> the plan
-_last_plan: tuple[tuple, CallPlan] | None = None
+# every layer of a pass plans the same spans once: (spans, (their column offset, roots from a state), the plan)
+_last_plan: tuple[torch.Tensor, tuple[int, bool], CallPlan] | None = None
 
 
 def call_plan(spans: torch.Tensor, offset: int = 0, roots_from_state: bool = False) -> CallPlan:
@@ -39,15 +39,15 @@ def call_plan(spans: torch.Tensor, offset: int = 0, roots_from_state: bool = Fal
     chunk of prefix reuse: its spans count from the prefix's start), remembered for the last spans tensor (the same
     object reaches every layer of a pass, and gradient checkpointing's recompute)."""
     global _last_plan
-    key = (spans, offset, roots_from_state)
-    if _last_plan is None or _last_plan[0][0] is not spans or _last_plan[0][1:] != key[1:]:
+    options = (offset, roots_from_state)
+    if _last_plan is None or _last_plan[0] is not spans or _last_plan[1] != options:
         B, L = spans.shape[:2]
         own = torch.where(spans >= 0, spans - offset, spans) if offset else spans
         plan = plan_calls(walk_spans(own), B, L, roots_from_state=roots_from_state)
         # the gathers' indices where the pass runs, moved once rather than per layer and group
         plan = replace(plan, rows=tuple(r.to(spans.device) for r in plan.rows), index=plan.index.to(spans.device))
-        _last_plan = (key, plan)
-    return _last_plan[1]
+        _last_plan = (spans, options, plan)
+    return _last_plan[2]
 
 
 def _root_states(layer_idx: int, n: int, initial: tuple[dict, dict] | None) -> RunStates:
