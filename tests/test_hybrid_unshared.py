@@ -129,7 +129,9 @@ def test_train_runs_every_family_with_prefix_sharing_off(family, saved, tmp_path
     stock_line = f"prefix sharing off: {name} runs its own attention ({own}) on padded rows"
     assert (stock_line in caplog.text) == (own is not None)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a stock model, loadable anywhere
-    stock = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss has no SDPA: its export names eager, as TRL runs it
+    # gpt-oss has no SDPA: its export names eager, as TRL runs it; a pure Mamba2 has no attention (transformers says
+    # eager for it)
+    stock = "eager" if family in ("gpt_oss", "mamba2") else "sdpa"
     assert type(exported).__name__ == name and exported.config._attn_implementation == stock
 
 
@@ -189,8 +191,9 @@ def test_prefix_sharing_on_refuses_a_recurrent_model_in_one_line(command, saved,
     assert error_line(capsys) == (
         f"prefixdpo {command}: error: JambaForCausalLM has layers of type ['JambaMambaMixer'], which carry a "
         "convolution or recurrent state along the sequence: prefixdpo cannot reproduce them on prefix-shared lines "
-        "yet; train it without prefix sharing (--prefix_sharing false: TRL's padded rows on the model's own "
-        "attention)")
+        "(JambaMambaMixer runs its Mamba 1 selective scan from the zero state only, taking no initial state: a "
+        "response could start from its prompt's final state only token by token); train it without prefix sharing "
+        "(--prefix_sharing false: TRL's padded rows on the model's own attention)")
     assert not (tmp_path / "out" / "config.json").exists()
 
 
@@ -217,6 +220,28 @@ def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_lin
         "attention (attention=sdpa): its layers of type ['JambaMambaMixer']; use a reference of the policy's "
         "architecture, or none (a frozen copy of the policy)")
     assert run_cli("train", saved("jamba"), tmp_path / "b", *off, "--ref_model_name_or_path", str(llama)) == 0
+
+
+def test_attention_without_position_ids_is_refused_shared_and_trains_unshared(saved, tmp_path, capsys):
+    """Bloom's forward takes no position_ids (ALiBi from its mask): with prefix sharing on, one line naming them and
+    the way out; with it off, it trains as TRL runs it (handed no position_ids, `model_call.model_pass`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tokenizer()
+    config = AutoConfig.for_model("bloom", vocab_size=len(tok), hidden_size=32, n_layer=2, n_head=2,
+                                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id)
+    bloom = tmp_path / "bloom"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(bloom)
+    tok.save_pretrained(bloom)
+    (tmp_path / "pairs.jsonl").write_text((saved("jamba").parent / "pairs.jsonl").read_text())
+    assert run_cli("train", bloom, tmp_path / "on") == 2
+    assert error_line(capsys) == (
+        "prefixdpo train: error: BloomForCausalLM.forward takes no position_ids, so a response cannot restart its "
+        "positions after its prompt on a shared line; train it with --prefix_sharing false")
+    assert run_cli("train", bloom, tmp_path / "off", "--prefix_sharing", "false") == 0
+    assert (tmp_path / "off" / "model.safetensors").exists()
 
 
 def test_packing_is_refused_for_a_model_on_its_own_attention(saved, tmp_path, capsys):
@@ -265,7 +290,7 @@ def trl_and_ours(family: str, tmp_path, steps: int, **ours_options):
 
 
 # gpt-oss: eager attention with sinks, and a MoE load-balancing loss (coefficient 0.001) in the step's loss
-@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "nemotron_h", "gpt_oss", "mamba2"])
 def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
     theirs, ours = trl_and_ours(family, tmp_path, steps=1, prefix_sharing=False)
     assert len(theirs[0]) == len(ours[0]) == 1
@@ -280,7 +305,8 @@ def test_one_dpo_step_equals_trl_dpo_trainer(family, tmp_path):
     print(f"REPORT dpo {family}: logged values {logged:.2f}, gradients {worst:.2f} eps x their scale")
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "gpt_oss"])
+# mamba2: a pure state-space model, whose forward takes no position_ids (handed none, as TRL hands none)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "gpt_oss", "mamba2"])
 def test_three_dpo_steps_with_prefix_sharing_equal_trl_dpo_trainer(family, tmp_path):
     """Prefix sharing ON (each record one shared line; unpacked, as test_trl_parity: best-fit packing reorders the
     records into other steps): the recurrent layers run each response from its prompt's final state

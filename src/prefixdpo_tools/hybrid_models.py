@@ -55,7 +55,11 @@ HYBRID_FAMILIES: dict[str, dict] = {
                         # MLA expands its keys to every head, as Kimi Linear's own configs say (kv heads = heads):
                         # with fewer, transformers' SDPA path under any mask repeats the expanded keys again
                         num_key_value_heads=4),
-    # Jamba's Mamba (1) mixer: no exactness test on shared lines yet (`core.recurrent.UNSUPPORTED_MIXERS`): the family
+    # a pure Mamba2 model (no attention layer), and Zamba2 (Mamba2 layers, a shared attention block between them)
+    "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16, conv_kernel=4, expand=1, chunk_size=8),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4, mamba_ngroups=1,
+                   mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, chunk_size=8, num_mem_blocks=1, use_mem_rope=True),
+    # Jamba's Mamba (1) mixer: its scan takes no initial state (`core.recurrent.UNSUPPORTED_MIXERS`): the family
     # prefix sharing refuses and `--prefix_sharing false` trains
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=4, expert_layer_offset=3,
                   num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,

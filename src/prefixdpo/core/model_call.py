@@ -15,7 +15,7 @@ import torch
 
 from prefixdpo.core.attention.pass_plan import PassPlan
 from prefixdpo.core.logprobs import UnsupportedModelError
-from prefixdpo.core.model_checks import base_model, unwrap
+from prefixdpo.core.model_checks import base_model, takes_position_ids, unwrap
 from prefixdpo.core.recurrent import runs_recurrent
 from prefixdpo.core.vml_warmup import warm_up as warm_up_vml
 
@@ -62,7 +62,9 @@ def model_pass(model, inner_forward, input_ids: torch.Tensor, position_ids: torc
 
     handle = unwrap(model).get_decoder().register_forward_hook(grab)
     try:
-        out = inner_forward(use_cache=False, input_ids=input_ids, position_ids=position_ids,
+        # a forward without position_ids (a pure state-space model: nothing positional) is handed none, as TRL does
+        positions = {"position_ids": position_ids} if takes_position_ids(model) else {}
+        out = inner_forward(use_cache=False, input_ids=input_ids, **positions,
                             attention_mask=plan.model_mask(tensor_only=runs_recurrent(base_model(model))),
                             pass_plan=plan, **model_inputs)
     finally:

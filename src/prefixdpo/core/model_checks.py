@@ -13,7 +13,8 @@ import torch
 from prefixdpo.core.attention.backends import ATTENTION_NAME, WINDOWED_BACKENDS
 from prefixdpo.core.attention.sinks import model_has_sinks
 from prefixdpo.core.logprobs import UnsupportedModelError
-from prefixdpo.core.recurrent import SUPPORTED_MIXERS, prepare_recurrent, supported_mixers, unsupported_mixers
+from prefixdpo.core.recurrent import (SUPPORTED_MIXERS, UNSUPPORTED_MIXERS, prepare_recurrent, supported_mixers,
+                                      unsupported_mixers)
 from prefixdpo.core.stock_attention import STOCK, on_stock_route, use_stock_attention
 from prefixdpo.data.batch import Batch
 from prefixdpo.errors import ConfigError
@@ -120,23 +121,48 @@ def unshareable_layers(model) -> list[str]:
 SHARING_OFF = "--prefix_sharing false"  # the option that trains such a model anyway, as TRL does
 
 
-def unshareable_message(name: str, layers: list[str]) -> str:
-    """The one line refusing prefix sharing for model class `name` with `unshareable_layers` `layers`."""
+def unshareable_message(model) -> str:
+    """The one line refusing prefix sharing for `model` (its `unshareable_layers`), with why for each mixer
+    `core.recurrent` refuses by name (`unsupported_mixers`)."""
+    base = base_model(model)
+    name, layers, reasons = type(base).__name__, unshareable_layers(base), unsupported_mixers(base)
+    why = "; ".join(f"{layer} {reasons[layer]}" for layer in layers if layer in reasons)
     return (f"{name} has layers of type {layers}, which carry a convolution or recurrent state along the sequence: "
-            "prefixdpo cannot reproduce them on prefix-shared lines yet; train it without prefix sharing "
-            f"({SHARING_OFF}: TRL's padded rows on the model's own attention)")
+            f"prefixdpo cannot reproduce them on prefix-shared lines{f' ({why})' if why else ' yet'}; train it without "
+            f"prefix sharing ({SHARING_OFF}: TRL's padded rows on the model's own attention)")
+
+
+def takes_position_ids(model) -> bool:
+    """Whether `model`'s forward names `position_ids` (a pure state-space model, e.g. Mamba2, has no positions). Its
+    class's forward: during a pass the instance's is `model_call.through_engine`'s (*args, **kwargs) stand-in."""
+    return "position_ids" in inspect.signature(type(base_model(model)).forward).parameters
+
+
+def has_attention(model) -> bool:
+    """Whether `model` holds an attention module: a module whose class name ends in "Attention" (transformers' naming,
+    LlamaAttention to GptOssAttention) that is not a recurrent mixer `core.recurrent` knows (Kimi Delta Attention,
+    MiniMax's lightning attention, RWKV's)."""
+    mixers = SUPPORTED_MIXERS.keys() | UNSUPPORTED_MIXERS.keys()
+    return any(type(m).__name__.endswith("Attention") and type(m).__name__ not in mixers
+               for m in base_model(model).modules())
 
 
 def refusal(model, backend: str) -> str | None:
     """Why prefixdpo's attention on `backend` cannot reproduce `model` on prefix-shared lines (one line), or None.
-    Every reason but an encoder-decoder's and missing position ids (`check_runs_unshared`) is one that prefix sharing
-    off gets round by running the model's own attention (`core.stock_attention`)."""
+    Every reason but an encoder-decoder's (`check_runs_unshared`) is one that prefix sharing off gets round by running
+    the model's own attention on TRL's padded rows (`core.stock_attention`)."""
     base = base_model(model)
     cfg = text_config(base)
     name = type(base).__name__
-    layers = unshareable_layers(base)
-    if layers:
-        return unshareable_message(name, layers)
+    if unshareable_layers(base):
+        return unshareable_message(base)
+    if not has_attention(base):
+        # a pure state-space model (Mamba2): nothing for the mask or positions to reproduce; its recurrent layers all
+        # run from their parents' states (unshareable_layers found none they cannot)
+        return None
+    if not takes_position_ids(base):
+        return (f"{name}.forward takes no position_ids, so a response cannot restart its positions after its prompt "
+                f"on a shared line; train it with {SHARING_OFF}")
     # a hybrid whose recurrent mixers core.recurrent runs: its attention layers dispatch through AttentionInterface
     # (tests/test_recurrent_exact.py runs every such family exact on prefixdpo's attention), whatever its flag says
     if not getattr(base, "_supports_attention_backend", False) and not supported_mixers(base):
@@ -160,14 +186,12 @@ def refusal(model, backend: str) -> str | None:
 
 
 def check_runs_unshared(model) -> None:
-    """Refuse a model no prefixdpo pass can run, even unshared: an encoder-decoder, or a forward without
-    position_ids (every pass hands them over)."""
+    """Refuse a model no prefixdpo pass can run, even unshared: an encoder-decoder. (A forward without position_ids
+    runs unshared as TRL runs it: it is handed none, `model_call.model_pass`.)"""
     base = base_model(model)
-    name = type(base).__name__
     if getattr(text_config(base), "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; prefixdpo needs a decoder-only causal LM")
-    if "position_ids" not in inspect.signature(base.forward).parameters:
-        raise UnsupportedModelError(f"{name}.forward takes no position_ids, so responses cannot restart positions")
+        raise UnsupportedModelError(f"{type(base).__name__} is an encoder-decoder model; prefixdpo needs a decoder-only "
+                                    "causal LM")
 
 
 def backend_for_model(model, backend: str, requested: str) -> str:
