@@ -37,14 +37,16 @@ def gpt_oss():
     return model
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "segmented"])
 @pytest.mark.parametrize("layout", ["paired", "k4", "packed", "trie"])
-def test_gpt_oss_shared_lines_match_stock_separate_passes(layout):
+def test_gpt_oss_shared_lines_match_stock_separate_passes(layout, backend):
+    """On sdpa, the eager attention over the line's whole mask; on segmented, over each group of segments' mask."""
     examples, options = layouts()[layout]
     assert max(map(longest_sequence, examples)) >= 2 * WINDOW  # the window cuts into every layout
-    logp_diff, logp_scale, grad_diff, grad_scale = differences(gpt_oss(), examples, **options)
-    assert_small(logp_diff, logp_scale, k=K_FORWARD, what=f"gpt_oss {layout} sums")
-    assert_small(grad_diff, grad_scale, k=K, what=f"gpt_oss {layout} gradients")
-    print(f"REPORT gpt_oss {layout}: sums {logp_diff / logp_scale / torch.finfo(torch.float32).eps:.2f}, gradients "
+    logp_diff, logp_scale, grad_diff, grad_scale = differences(gpt_oss(), examples, backend, **options)
+    assert_small(logp_diff, logp_scale, k=K_FORWARD, what=f"gpt_oss {backend} {layout} sums")
+    assert_small(grad_diff, grad_scale, k=K, what=f"gpt_oss {backend} {layout} gradients")
+    print(f"REPORT gpt_oss {backend} {layout}: sums {logp_diff / logp_scale / torch.finfo(torch.float32).eps:.2f}, gradients "
           f"{grad_diff / grad_scale / torch.finfo(torch.float32).eps:.2f} eps x their scale")
 
 
@@ -104,9 +106,30 @@ def test_a_plans_derived_masks_are_built_once_per_pass():
         plan_mask(plan_pass(batch, "segmented"), WINDOW)
 
 
-def test_sinks_are_refused_in_one_line_on_backends_without_them():
+def test_sinks_are_refused_in_one_line_on_the_backend_without_them():
     model = tiny_hybrid_lm("gpt_oss")
-    for backend in ("segmented", "varlen"):
-        reason = refusal(model, backend)
-        assert reason is not None and "attention sinks" in reason and "--attention sdpa" in reason
-    assert refusal(model, "sdpa") is None
+    reason = refusal(model, "varlen")
+    assert reason is not None and "attention sinks" in reason and "--attention sdpa" in reason
+    assert refusal(model, "sdpa") is None and refusal(model, "segmented") is None
+
+
+def test_without_the_sinks_the_segmented_pass_would_be_off(monkeypatch):
+    """The check sees the sinks: the same segmented line with each group's attention run without them (plain SDPA
+    over the same additive mask) is far outside the rule, so the segmented pass does run them."""
+    from prefixdpo.core.attention import backends
+    from prefixdpo.core.verify import separate_pass_logps, verify_batch
+    from test_recurrent_exact import line_pass, response_sums
+
+    def without_sinks(module, query, key, value, additive_mask, scaling=None, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=additive_mask,
+                                                               scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    examples, options = layouts()["paired"]
+    batch = verify_batch(examples, **options)
+    with torch.no_grad():
+        separate = separate_pass_logps(gpt_oss(), examples)
+        monkeypatch.setattr(backends, "sink_attention", without_sinks)
+        sums = response_sums(line_pass(gpt_oss(), batch, backend="segmented"), batch)
+    scale = separate.abs().max().item()
+    assert (sums - separate).abs().max().item() > 1000 * K_FORWARD * torch.finfo(torch.float32).eps * scale

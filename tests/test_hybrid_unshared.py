@@ -197,11 +197,10 @@ def test_prefix_sharing_on_refuses_a_recurrent_model_in_one_line(command, saved,
     assert not (tmp_path / "out" / "config.json").exists()
 
 
-def test_attention_sinks_on_a_backend_without_them_are_refused_naming_the_ways_out(saved, tmp_path, capsys):
-    assert run_cli("train", saved("gpt_oss"), tmp_path / "out", "--attention", "segmented") == 2
-    assert error_line(capsys) == (
-        "prefixdpo train: error: GptOssForCausalLM has attention sinks, which the segmented backend does not run: use "
-        "--attention sdpa (or flex on CUDA), or train it with --prefix_sharing false")
+def test_attention_sinks_train_on_the_segmented_backend(saved, tmp_path):
+    """gpt-oss's sinks on the segmented backend (its own eager attention per group of segments), through the command
+    line, packed (varlen, CUDA only, refuses them: tests/test_attention_sinks.py)."""
+    assert run_cli("train", saved("gpt_oss"), tmp_path / "out", "--attention", "segmented", "--packing", "true") == 0
 
 
 def test_a_reference_that_cannot_run_the_policys_attention_is_refused_in_one_line(saved, tmp_path, capsys):

@@ -89,22 +89,22 @@ def response_sums(logits: torch.Tensor, batch) -> torch.Tensor:
     return token_logps.new_zeros(batch.num_responses).index_add(0, batch.target_response, token_logps)
 
 
-def line_pass(model, batch, plan: bool = True) -> torch.Tensor:
-    """Logits [B, L, V] of one pass over the batch's lines: prefixdpo's attention with the lines' 4D mask, the
-    recurrent mixers with the lines' spans (plan=False: without them, the stock mixers straight along each line)."""
+def line_pass(model, batch, plan: bool = True, backend: str = "sdpa") -> torch.Tensor:
+    """Logits [B, L, V] of one pass over the batch's lines: prefixdpo's attention on `backend` with the lines' rule,
+    the recurrent mixers with the lines' spans (plan=False: without them, the stock mixers straight along each line)."""
     base_model(model).set_attn_implementation(ATTENTION_NAME)
-    pass_plan = plan_pass(batch, "sdpa")
+    pass_plan = plan_pass(batch, backend)
     extra = {"pass_plan": pass_plan} if plan else {}
     return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                  attention_mask=pass_plan.model_mask(), **extra).logits
 
 
-def differences(model, examples, **layout):
+def differences(model, examples, backend: str = "sdpa", **layout):
     """(max |ours - separate| of the sums, largest |sum|, max gradient difference, largest gradient entry)."""
     batch = verify_batch(examples, **layout)
     model.zero_grad(set_to_none=True)
     separate = separate_pass_logps(model, examples)
-    ours = response_sums(line_pass(model, batch), batch)
+    ours = response_sums(line_pass(model, batch, backend=backend), batch)
     grads = []
     for sums in (separate, ours):
         dpo_loss(sums, batch.pair_better, batch.pair_worse).backward()

@@ -172,7 +172,7 @@ def refusal(model, backend: str) -> str | None:
         return (f"{name} uses attention logit soft-capping, which only the flex backend reproduces (CUDA); or train it "
                 f"with {SHARING_OFF}")
     sinks = model_has_sinks(base)  # gpt-oss: the sdpa backend runs its own eager attention with them (`sinks`)
-    if backend in ("segmented", "varlen") and sinks:
+    if backend == "varlen" and sinks:
         return (f"{name} has attention sinks, which the {backend} backend does not run: use --attention sdpa (or flex "
                 f"on CUDA), or train it with {SHARING_OFF}")
     if backend in ("sdpa", "segmented") and not getattr(base, "_supports_sdpa", False) and not sinks:

@@ -113,18 +113,23 @@ def _flex(module, query, key, value, plan: PassPlan, attention_mask=None, **kwar
     return flex_attention_forward(module, query, key, value, plan_mask(plan, _sliding_window(kwargs)), **kwargs)
 
 
-def _refuse_features(kwargs: dict, backend: str, instead: str) -> None:
-    for feature in ("softcap", "s_aux", "sinks"):
+def _refuse_features(kwargs: dict, backend: str, instead: str, features=("softcap", "s_aux", "sinks")) -> None:
+    for feature in features:
         if kwargs.get(feature) is not None:
             raise ValueError(f"{backend} attention does not support '{feature}'; use {instead}")
 
 
 def _segmented(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):
-    """The segmented backend: SDPA over the allowed blocks of the plan's `SegmentPlan`."""
-    _refuse_features(kwargs, "segmented", "the sdpa or flex backend")
+    """The segmented backend: SDPA over the allowed blocks of the plan's `SegmentPlan`; a layer with attention sinks
+    runs its model's own eager attention per group of segments over the group's additive mask (`sinks`)."""
+    _refuse_features(kwargs, "segmented", "the sdpa or flex backend", features=("softcap",))
     dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
+    attend = None
+    if has_sinks(kwargs):
+        def attend(q, k, v, additive_mask):
+            return sink_attention(module, q, k, v, additive_mask, **kwargs)[0]
     return segmented_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"), dropout=dropout,
-                               window=_sliding_window(kwargs)), None
+                               window=_sliding_window(kwargs), attend=attend), None
 
 
 def _varlen(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):

@@ -195,11 +195,13 @@ def build_segment_plan(spans: torch.Tensor, *, waste: float = 0.25, min_cells: i
 
 def segmented_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
-    *, scaling: float | None = None, dropout: float = 0.0, window: int | None = None,
+    *, scaling: float | None = None, dropout: float = 0.0, window: int | None = None, attend=None,
 ) -> torch.Tensor:
     """query [B, H, L, D], key/value [B, Hkv, Lk, D] -> output [B, L, H, D] (transformers' layout); Lk > L when the
     keys hold a cached prefix before the queries' own (the plan's `queries_from`); window: a sliding layer's
-    (`_group_mask`).
+    (`_group_mask`). attend: where SDPA cannot run the layer (attention sinks), the attention of one group instead,
+    (q [S, H, Lq, D], k/v [S, Hkv, Lk, D], additive mask [S, 1, Lq, Lk]) -> [S, Lq, H, Dv]: every query's keys are
+    in its segment, so a term each query's softmax holds once (a sink) is held once here too.
 
     One gather for all queries, one for all keys/values, one for the output: per-group gathers would
     each allocate a full-size gradient buffer in backward. `index_select` rather than `t[idx]`: its
@@ -221,6 +223,9 @@ def segmented_attention(
         q = q.view(S, Lq, H, D).transpose(1, 2)
         k = k.view(S, Lk, Hkv, D).transpose(1, 2)
         v = v.view(S, Lk, Hkv, Dv).transpose(1, 2)
+        if attend is not None:
+            outs.append(attend(q, k, v, g.additive_mask(q.dtype, window)).reshape(S * Lq, H, Dv))
+            continue
         causal = g.runs_causal(window)
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=None if causal else g.additive_mask(q.dtype, window), dropout_p=dropout,

@@ -1,11 +1,12 @@
-"""Attention with sinks (gpt-oss) on prefix-shared lines, on the CPU's dense-mask backend.
+"""Attention with sinks (gpt-oss) on prefix-shared lines, on the CPU's dense-mask and segmented backends.
 
 A sink is a learned logit per head that joins every query's softmax and is then dropped: each query's weights sum to
 less than one. torch's SDPA has no such term, so the sdpa backend runs the model's OWN eager attention (the
 `eager_attention_forward` of the module's modeling file, which transformers runs for gpt-oss, whose flag says it has no
 SDPA) over the line's rule as an additive mask: the same matmuls, the same sink concatenation, the same softmax, only
 the mask is the prefix-sharing rule (and its sliding window, `masks.dense_mask`) instead of the causal one. A query
-attends its ancestors and itself, so no row of the mask is empty. The flex backend (CUDA) has sinks of its own
+attends its ancestors and itself, so no row of the mask is empty. The segmented backend runs the same eager attention
+per group of segments over the group's additive mask (`segments.segmented_attention`'s `attend`). The flex backend (CUDA) has sinks of its own
 (transformers' `flex_attention_forward` renormalises by the log-sum-exp with `s_aux`).
 """
 
