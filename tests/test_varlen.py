@@ -49,10 +49,13 @@ def _segments_of(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
     return out
 
 
-def _bottom_right_sdpa(q, k, v, *, scale=None, enable_gqa=False):
-    """q [1, H, nq, D] over k/v [1, Hkv, nk, D]: query i sees keys 0 .. nk - nq + i."""
+def _bottom_right_sdpa(q, k, v, *, scale=None, enable_gqa=False, left=-1):
+    """q [1, H, nq, D] over k/v [1, Hkv, nk, D]: query i sees keys 0 .. nk - nq + i (left >= 0: only the last left + 1
+    of them, FlashAttention's window_size=(left, 0))."""
     nq, nk = q.shape[2], k.shape[2]
     allowed = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)
+    if left >= 0:
+        allowed &= ~torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq - left - 1)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
     return o[0].transpose(0, 1)  # [nq, H, Dv]
 
@@ -61,12 +64,15 @@ def reference_varlen_attn(
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
 ):
-    """torch 2.13's signature; causal only as window_size=(-1, 0), GQA only with enable_gqa."""
-    assert tuple(window_size) == (-1, 0)
+    """torch 2.13's signature; causal only as window_size=(left, 0) (left -1: no window; else FlashAttention's rule:
+    a query at position p keeps the keys p - left .. p, aligned bottom-right), GQA only with enable_gqa."""
+    left, right = window_size
+    assert right == 0 and left >= -1
     if key.shape[1] != query.shape[1]:
         assert enable_gqa
     segs = _segments_of(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
-    return torch.cat([_bottom_right_sdpa(q, k, v, scale=scale, enable_gqa=enable_gqa) for q, k, v in segs])
+    return torch.cat([_bottom_right_sdpa(q, k, v, scale=scale, enable_gqa=enable_gqa, left=left)
+                      for q, k, v in segs])
 
 
 def reference_varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
@@ -101,6 +107,45 @@ def test_varlen_matches_separate_passes(kernel, arch, case):
     assert kernel  # the substituted kernel ran
     assert_matches_separate_passes(result)
     assert result.grad_scale > 1e-3  # the gradient compared is not trivially zero
+
+
+def _use_kernel(monkeypatch, fn):
+    """Substitute `fn` (a reference kernel) for varlen_attn, as the `kernel` fixture does."""
+    monkeypatch.setattr(varlen, "varlen_attn", fn)
+    monkeypatch.setattr(varlen, "check_available", lambda device: None)
+
+
+@pytest.mark.parametrize("packs", [None, [[0, 1, 2]]])
+def test_varlen_slides_a_window_shorter_than_the_sequences(monkeypatch, packs):
+    """A window of 6 under sequences of up to 11 tokens (tests/test_equivalence.py's windowed cases): torch 2.13's
+    kernel gets `window_size=(5, 0)` and the shared (and packed) lines match separate passes; the same kernel made to
+    ignore the window lands far off (the window cuts)."""
+    seen = []
+
+    def windowed(*args, window_size=(-1, -1), **kwargs):
+        seen.append(tuple(window_size))
+        return reference_varlen_attn(*args, window_size=window_size, **kwargs)
+
+    windowed.__signature__ = inspect.signature(reference_varlen_attn)
+    _use_kernel(monkeypatch, windowed)
+    result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs, backend="varlen")
+    assert set(seen) == {(5, 0)}
+    assert_matches_separate_passes(result)
+
+    def unwindowed(*args, window_size=(-1, -1), **kwargs):
+        return reference_varlen_attn(*args, window_size=(-1, 0), **kwargs)
+
+    unwindowed.__signature__ = inspect.signature(reference_varlen_attn)
+    _use_kernel(monkeypatch, unwindowed)
+    result = compare(tiny_model("mistral", sliding_window=6), random_examples(), packs=packs, backend="varlen")
+    assert result.logp_diff > 1e-3
+
+
+def test_a_varlen_kernel_without_windows_refuses_a_sliding_layer_in_one_line(monkeypatch):
+    """torch 2.11's kernel takes no window: a sliding layer on varlen is one line naming the backends that slide it."""
+    _use_kernel(monkeypatch, reference_varlen_attn_2_11)
+    with pytest.raises(ConfigError, match="takes no window .* needs --attention sdpa or flex"):
+        compare(tiny_model("mistral", sliding_window=6), random_examples(), backend="varlen")
 
 
 def test_varlen_matches_separate_passes_in_float64(kernel):

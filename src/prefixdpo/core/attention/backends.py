@@ -25,9 +25,10 @@ from prefixdpo.errors import ConfigError
 
 ATTENTION_NAME = "prefixdpo"
 BACKENDS = ("auto", "sdpa", "flex", "segmented", "varlen")
-# the backends that slide a layer's window over a prefix-shared line (`pass_plan.plan_mask`, `segments._group_mask`);
-# on varlen a sequence must fit in the window (`model_checks.check_sequences_fit_window`)
-WINDOWED_BACKENDS = ("sdpa", "flex", "segmented")
+# the backends that slide a layer's window over a prefix-shared line (`pass_plan.plan_mask`, `segments._group_mask`,
+# varlen's `window_size` where its kernel takes one: torch >= 2.13); elsewhere a sequence must fit in the window
+# (`model_checks.check_sequences_fit_window`)
+WINDOWED_BACKENDS = ("sdpa", "flex", "segmented") + (("varlen",) if varlen.slides_windows() else ())
 
 
 def _is_block_mask(mask) -> bool:
@@ -140,7 +141,8 @@ def _varlen(module, query, key, value, plan: PassPlan, attention_mask=None, **kw
             f"attention='varlen' has no attention dropout (the model's is {kwargs['dropout']}); "
             "use 'flex' or 'sdpa', or set the model's attention_dropout to 0"
         )
-    return varlen.varlen_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling")), None
+    return varlen.varlen_attention(query, key, value, plan.mask, scaling=kwargs.get("scaling"),
+                                   window=_sliding_window(kwargs)), None
 
 
 def _shared_prompt(module, query, key, value, plan: PassPlan, attention_mask=None, **kwargs):

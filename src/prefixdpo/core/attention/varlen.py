@@ -8,7 +8,10 @@ the batch packed end to end, with separate cumulative lengths for queries and ke
 computes only its allowed blocks and nothing is padded.
 
 `torch.nn.attention.varlen.varlen_attn` changed between releases; its signature is read at call time:
-- torch >= 2.13: `window_size=(-1, 0)` for causal (bottom-right), `enable_gqa`, `scale`;
+- torch >= 2.13: `window_size=(-1, 0)` for causal (bottom-right), `enable_gqa`, `scale`; a sliding layer's window w
+  as `window_size=(w - 1, 0)`: a segment's keys are its sequence's tokens in order (the run's ancestors from the root,
+  then the run), so key j sits at position j and a query at nk - nq + i, and FlashAttention keeps the keys from
+  `q - (w - 1)` to `q` (transformers' `kv_idx > q_idx - sliding_window`);
 - torch 2.11: `is_causal=True` (FlashAttention aligns it bottom-right too), no `enable_gqa` (K/V heads
   are expanded here), and possibly no `scale` (the query is pre-scaled instead).
 """
@@ -125,11 +128,17 @@ def _kernel_parameters(kernel) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
 
 
+def slides_windows() -> bool:
+    """Whether this torch's varlen kernel takes a window (`window_size`, torch >= 2.13; module docstring)."""
+    return varlen_attn is not None and "window_size" in _kernel_parameters(varlen_attn)
+
+
 def varlen_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan,
-    *, scaling: float | None = None,
+    *, scaling: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """query [B, H, L, D], key/value [B, Hkv, L, D] -> output [B, L, H, Dv] (transformers' layout).
+    """query [B, H, L, D], key/value [B, Hkv, L, D] -> output [B, L, H, Dv] (transformers' layout); window: a
+    sliding layer's (module docstring).
 
     One gather for the queries, one for keys/values, one varlen call, one gather back; `index_select`
     for the reasons given in `segments.segmented_attention`. Padding positions get zeros.
@@ -146,8 +155,14 @@ def varlen_attention(
 
     params = _kernel_parameters(varlen_attn)
     options = {}
+    if window is not None and window >= plan.max_k:  # no segment is longer than the window: it cuts nothing
+        window = None
     if "window_size" in params:
-        options["window_size"] = (-1, 0)  # causal, aligned bottom-right for a shorter query block
+        # causal, aligned bottom-right for a shorter query block; a sliding layer keeps its window's keys
+        options["window_size"] = (window - 1 if window else -1, 0)
+    elif window:
+        raise ConfigError(f"attention='varlen' on torch {torch.__version__} takes no window (its varlen kernel has "
+                          "no window_size): a sliding-window layer needs --attention sdpa or flex")
     else:
         options["is_causal"] = True
     if Hkv != H:
