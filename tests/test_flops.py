@@ -117,3 +117,30 @@ def test_a_hybrid_pays_the_pair_term_on_its_attention_layers_only():
     assert ideal_speedup(plain, work) < ideal_speedup(shape, work) < 2600 / 1600
     falcon = AutoConfig.for_model("falcon_h1", **fields, **HYBRID_FAMILIES["falcon_h1"])
     assert layer_kinds(falcon) == [{"attention", "recurrent"}] * 4  # Mamba2 and attention side by side in a layer
+
+
+def test_a_pure_state_space_model_has_no_pair_term_and_its_own_body_weights():
+    """A pure Mamba2 (no attention, no Llama names): every layer recurrent, no attended pairs, the body's weights those
+    of the model itself (every matrix and convolution kernel but the embeddings and head), the state work 6 x heads x
+    head_dim x d_state a layer. Its ideal speedup is then the token ratio up to the LM head's share (2600 -> 1600
+    tokens, the head's positions unchanged). Zamba2's Mamba2 layers count their state work by its own names."""
+    from transformers import AutoConfig
+
+    from prefixdpo_tools.hybrid_models import HYBRID_FAMILIES, tiny_hybrid_lm
+    from prefixdpo_tools.bench.flops import ideal_speedup, layer_kinds, recurrent_layer_flops_per_token
+
+    model = tiny_hybrid_lm("mamba2")
+    shape = ModelShape.from_config(model.config)
+    assert layer_kinds(model.config) == [{"recurrent"}] * 4
+    assert shape.attention_layers == 0 and shape.pair_layers == 0
+    assert shape.recurrent_flops_per_token == 4 * 6 * 4 * 16 * 16
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() >= 2 and "embeddings" not in name and "lm_head" not in name)
+    assert shape.body_params_per_token() == matrices
+    work = [(1000, [300, 300])]
+    assert ideal_speedup(shape, work) < 2600 / 1600
+    assert ideal_speedup(shape, work) > ideal_speedup(ModelShape.from_config(tiny_hybrid_lm("qwen3_5_text").config),
+                                                      work)
+    zamba2 = AutoConfig.for_model("zamba2", vocab_size=96, hidden_size=64, num_hidden_layers=4,
+                                  **HYBRID_FAMILIES["zamba2"])
+    assert recurrent_layer_flops_per_token(zamba2) == 6 * 4 * 16 * 16

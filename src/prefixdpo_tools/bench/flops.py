@@ -76,6 +76,7 @@ class ModelShape:
     vocab: int
     attention_layers: int | None = None  # layers with attention (None: all, a plain transformer)
     recurrent_flops_per_token: int = 0  # all recurrent layers' state-update FLOPs per token (hybrids)
+    body_params: int | None = None  # the body's weights where no Llama formula holds (pure state-space models)
 
     @property
     def pair_layers(self) -> int:
@@ -91,6 +92,8 @@ class ModelShape:
         """
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
+        if getattr(config, "model_type", None) in STATE_SPACE_MODEL_TYPES:
+            return cls.state_space(config)
         missing = [
             name
             for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -115,12 +118,27 @@ class ModelShape:
             sum("recurrent" in k for k in kinds) * recurrent_layer_flops_per_token(config),
         )
 
+    @classmethod
+    def state_space(cls, config) -> ModelShape:
+        """A pure state-space model (Mamba, Mamba2, FalconMamba): no attention, every layer a recurrent mixer whose
+        projections follow no Llama names, so its body's weights are counted off the model built on the meta device
+        (`body_weights`); `intermediate` is the mixers' inner width (expand x hidden), `kv_heads` 0 (no KV cache)."""
+        hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+        return cls(hidden=hidden, intermediate=int(getattr(config, "expand", 2) * hidden), layers=layers,
+                   heads=int(getattr(config, "num_heads", None) or 1), kv_heads=0,
+                   head_dim=int(getattr(config, "head_dim", None) or 0), vocab=int(config.vocab_size),
+                   attention_layers=0, recurrent_flops_per_token=layers * recurrent_layer_flops_per_token(config),
+                   body_params=body_weights(config))
+
     def body_params_per_token(self) -> int:
         """Weights each token multiplies through in the body (all layers; norms and biases ignored).
 
         Per layer: q (hidden x heads*head_dim), k and v (hidden x kv_heads*head_dim each), o
-        (heads*head_dim x hidden), SwiGLU MLP gate, up and down (3 x hidden x intermediate).
+        (heads*head_dim x hidden), SwiGLU MLP gate, up and down (3 x hidden x intermediate). `body_params` where
+        set (a pure state-space model).
         """
+        if self.body_params is not None:
+            return self.body_params
         q_o = 2 * self.hidden * self.heads * self.head_dim
         k_v = 2 * self.hidden * self.kv_heads * self.head_dim
         mlp = 3 * self.hidden * self.intermediate
@@ -146,6 +164,8 @@ class ModelShape:
         return {"body": count.body / total, "attention": count.attention / total, "lm_head": count.lm_head / total}
 
 
+# pure state-space models: every layer a recurrent mixer (their configs name no layer types)
+STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
 _ATTENTION_TYPES = {"full_attention", "sliding_attention", "attention", "hybrid"}  # falcon_h1: both in one layer
 _RECURRENT_TYPES = {"linear_attention", "conv", "mamba", "hybrid"}
 
@@ -153,6 +173,8 @@ _RECURRENT_TYPES = {"linear_attention", "conv", "mamba", "hybrid"}
 def layer_kinds(config) -> list[set[str]] | None:
     """Each layer's kinds ({"attention"}, {"recurrent"}, both, or none for an MLP-only block) from a hybrid config's
     `layer_types` (or NemotronH's `layers_block_type`); None for a plain transformer (no recurrent layer)."""
+    if getattr(config, "model_type", None) in STATE_SPACE_MODEL_TYPES:
+        return [{"recurrent"} for _ in range(int(config.num_hidden_layers))]
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     if not types or not set(types) & _RECURRENT_TYPES:
         return None
@@ -163,19 +185,38 @@ def layer_kinds(config) -> list[set[str]] | None:
 def recurrent_layer_flops_per_token(config) -> int:
     """One recurrent layer's state work per token, by its family's config (its projections are in the body):
     a linear-attention state (Gated DeltaNet, KDA) decays, updates and is read, 3 multiply-adds over dk x dv per
-    value head; a Mamba2 state 3 over head_dim x d_state per head; a short convolution 1 per channel and tap."""
+    value head; a Mamba2 state 3 over head_dim x d_state per head (a Mamba 1 state 3 over d_state per inner
+    channel); a short convolution 1 per channel and tap."""
     c = config
+    if getattr(c, "model_type", None) == "mamba2":  # a pure Mamba2: its mixer's own names
+        return 6 * c.num_heads * c.head_dim * c.state_size
+    if getattr(c, "model_type", None) in ("mamba", "falcon_mamba"):
+        return 6 * c.intermediate_size * c.state_size
     if getattr(c, "linear_num_value_heads", None):  # Qwen3.5 / Qwen3-Next Gated DeltaNet
         return 6 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     if getattr(c, "linear_num_heads", None):  # Kimi Delta Attention
         return 6 * c.linear_num_heads * c.linear_head_dim ** 2
-    heads = getattr(c, "mamba_n_heads", None) or getattr(c, "mamba_num_heads", None)
-    if heads:  # Mamba2 (Granite 4, Bamba, Falcon-H1, NemotronH)
-        head_dim = getattr(c, "mamba_d_head", None) or getattr(c, "mamba_head_dim", None)
+    heads = getattr(c, "mamba_n_heads", None) or getattr(c, "mamba_num_heads", None) or getattr(c, "n_mamba_heads", None)
+    if heads:  # Mamba2 (Granite 4, Bamba, Falcon-H1, NemotronH, Zamba2)
+        head_dim = (getattr(c, "mamba_d_head", None) or getattr(c, "mamba_head_dim", None)
+                    or getattr(c, "mamba_headdim", None))
         state = getattr(c, "mamba_d_state", None) or getattr(c, "ssm_state_size", None)
         return 6 * heads * head_dim * state
     taps = getattr(c, "conv_L_cache", None)  # LFM2 / LFM3 short convolution over the hidden channels
     return 2 * c.hidden_size * (taps or 0)
+
+
+def body_weights(config) -> int:
+    """The weights a token multiplies through in the body of the model `config` describes: every parameter of two
+    or more dimensions (matrices, convolution kernels) but the input embeddings and the LM head, counted on the meta
+    device (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
 
 
 # Llama-3.1-8B, the paper's main model: for reports comparing the ideal speedup with its measurements.
