@@ -1,7 +1,7 @@
 """The hybrid section of `make gpu-check`: recurrent layers on shared prefixes, on CUDA.
 
-Tiny Qwen3.5 (Gated DeltaNet), LFM2 (short convolutions), NemotronH and Falcon-H1 (Mamba2), Kimi Linear (Kimi Delta
-Attention) and gpt-oss (attention sinks) from `prefixdpo_tools.hybrid_models`, in fp32 and bf16, per GPU attention
+Tiny Qwen3.5 (Gated DeltaNet), LFM2 (short convolutions), NemotronH, Falcon-H1, Zamba2 and a pure Mamba2 (Mamba2),
+Kimi Linear (Kimi Delta Attention) and gpt-oss (attention sinks, a 16-token window) from `prefixdpo_tools.hybrid_models`, in fp32 and bf16, per GPU attention
 backend: `prefixdpo verify`'s four cases (`gpu_check.dpo.verify_check`) on records long enough that every span
 crosses the layers' chunk sizes (prompts of 150-200 tokens, responses of 40-90), so each response runs from its
 prompt's final state through whatever kernel this machine has: the CUDA kernels transformers picks where installed
@@ -17,7 +17,7 @@ from prefixdpo_tools.gpu_check.results import CheckResult, guarded
 
 __all__ = ["FAMILIES", "DTYPES", "kernels_found", "hybrid_examples", "planned", "section"]
 
-FAMILIES = ("qwen3_5_text", "lfm2", "nemotron_h", "falcon_h1", "kimi_linear", "gpt_oss")
+FAMILIES = ("qwen3_5_text", "lfm2", "nemotron_h", "falcon_h1", "zamba2", "mamba2", "kimi_linear", "gpt_oss")
 DTYPES = ("float32", "bfloat16")
 KERNEL_PACKAGES = ("fla", "causal_conv1d", "mamba_ssm")
 
