@@ -296,18 +296,23 @@ def free_port() -> str:
 
 def run_processes(nproc: int, *args: str, cwd=None, timeout: int = 900, env: dict | None = None):
     """Run `python *args` as one process, or under `torchrun --standalone` as `nproc` gloo processes (CPU, one
-    thread each; `env` added to the environment). Asserts it succeeded, showing the ranks' own tracebacks; returns
-    the CompletedProcess."""
+    thread each; `env` added to the environment). Asserts it succeeded, showing the ranks' own tracebacks and the
+    rest of stderr (with Python's fault handler on, a rank that dies of a signal prints its Python stack there: a
+    2-rank FSDP2 run once lost rank 0 to a SIGSEGV under a loaded CI, with nothing else to read); returns the
+    CompletedProcess."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1",
+           **(env or {})}
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
-    ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
-    assert proc.returncode == 0, (ranks or proc.stdout + proc.stderr)[-6000:]
+    lines = proc.stderr.splitlines()
+    ranks = "\n".join(line for line in lines if line.startswith("[rank"))[-4000:]
+    rest = "\n".join(line for line in lines if not line.startswith("[rank"))[-4000:]
+    assert proc.returncode == 0, f"{ranks}\n--- the rest of stderr ---\n{rest or proc.stdout[-2000:]}"
     return proc
 
 
