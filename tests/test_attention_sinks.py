@@ -46,8 +46,9 @@ def test_gpt_oss_shared_lines_match_stock_separate_passes(layout, backend):
     logp_diff, logp_scale, grad_diff, grad_scale = differences(gpt_oss(), examples, backend, **options)
     assert_small(logp_diff, logp_scale, k=K_FORWARD, what=f"gpt_oss {backend} {layout} sums")
     assert_small(grad_diff, grad_scale, k=K, what=f"gpt_oss {backend} {layout} gradients")
-    print(f"REPORT gpt_oss {backend} {layout}: sums {logp_diff / logp_scale / torch.finfo(torch.float32).eps:.2f}, gradients "
-          f"{grad_diff / grad_scale / torch.finfo(torch.float32).eps:.2f} eps x their scale")
+    eps = torch.finfo(torch.float32).eps
+    print(f"REPORT gpt_oss {backend} {layout}: sums {logp_diff / logp_scale / eps:.2f}, gradients "
+          f"{grad_diff / grad_scale / eps:.2f} eps x their scale")
 
 
 def test_the_window_slides_along_each_sequence_as_transformers_does():

@@ -59,8 +59,7 @@ def test_broken_layout_is_detected():
 
 
 def test_sliding_window_shorter_than_sequence_is_refused_on_a_backend_without_windows(monkeypatch):
-    from prefixdpo.core.model_checks import check_sequences_fit_window  # noqa: F401 (what refuses it)
-    import prefixdpo.core.model_checks as model_checks
+    import prefixdpo.core.model_checks as model_checks  # its check_sequences_fit_window refuses it
 
     # varlen on a torch whose kernel takes no window (torch 2.11; torch 2.13's slides it: tests/test_varlen.py)
     monkeypatch.setattr(model_checks, "WINDOWED_BACKENDS", ("sdpa", "flex", "segmented"))

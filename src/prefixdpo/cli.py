@@ -54,11 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         return run_command(argv, as_process=as_process)
-    except Exception as err:
+    except BaseException as err:  # a KeyboardInterrupt, or another error an import made of one
         if not interrupted_by_ctrl_c(err):
             raise
-        return stopped_before_start(argv, as_process)
-    except KeyboardInterrupt:
         return stopped_before_start(argv, as_process)
 
 
@@ -132,8 +130,6 @@ def run_command(argv: list[str], as_process: bool = False) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"prefixdpo {args.command}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    except KeyboardInterrupt:
-        return stopped_during(args.command)
     except (UserError, OSError) as err:
         if interrupted_by_ctrl_c(err):
             return stopped_during(args.command)
@@ -141,7 +137,7 @@ def run_command(argv: list[str], as_process: bool = False) -> int:
         # know) is reported as one line naming the problem. Anything else is a bug: its traceback propagates.
         print(f"prefixdpo {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
-    except Exception as err:
+    except BaseException as err:  # a KeyboardInterrupt, or another error an import made of one
         if not interrupted_by_ctrl_c(err):
             raise
         return stopped_during(args.command)

@@ -6,6 +6,7 @@ prefixdpo."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -135,7 +136,13 @@ def unshareable_message(model) -> str:
 def takes_position_ids(model) -> bool:
     """Whether `model`'s forward names `position_ids` (a pure state-space model, e.g. Mamba2, has no positions). Its
     class's forward: during a pass the instance's is `model_call.through_engine`'s (*args, **kwargs) stand-in."""
-    return "position_ids" in inspect.signature(type(base_model(model)).forward).parameters
+    return "position_ids" in _forward_parameters(type(base_model(model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls) -> frozenset[str]:
+    """The parameter names of a model class's forward, read once per class (every pass asks)."""
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def has_attention(model) -> bool:
@@ -190,8 +197,8 @@ def check_runs_unshared(model) -> None:
     runs unshared as TRL runs it: it is handed none, `model_call.model_pass`.)"""
     base = base_model(model)
     if getattr(text_config(base), "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{type(base).__name__} is an encoder-decoder model; prefixdpo needs a decoder-only "
-                                    "causal LM")
+        raise UnsupportedModelError(f"{type(base).__name__} is an encoder-decoder model; prefixdpo needs a "
+                                    "decoder-only causal LM")
 
 
 def backend_for_model(model, backend: str, requested: str) -> str:

@@ -123,11 +123,11 @@ class ModelShape:
         """A pure state-space model (Mamba, Mamba2, FalconMamba): no attention, every layer a recurrent mixer whose
         projections follow no Llama names, so its body's weights are counted off the model built on the meta device
         (`body_weights`); `intermediate` is the mixers' inner width (expand x hidden), `kv_heads` 0 (no KV cache)."""
-        hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
-        return cls(hidden=hidden, intermediate=int(getattr(config, "expand", 2) * hidden), layers=layers,
+        hidden, kinds = int(config.hidden_size), layer_kinds(config)
+        return cls(hidden=hidden, intermediate=int(getattr(config, "expand", 2) * hidden), layers=len(kinds),
                    heads=int(getattr(config, "num_heads", None) or 1), kv_heads=0,
                    head_dim=int(getattr(config, "head_dim", None) or 0), vocab=int(config.vocab_size),
-                   attention_layers=0, recurrent_flops_per_token=layers * recurrent_layer_flops_per_token(config),
+                   attention_layers=0, recurrent_flops_per_token=len(kinds) * recurrent_layer_flops_per_token(config),
                    body_params=body_weights(config))
 
     def body_params_per_token(self) -> int:
@@ -196,7 +196,8 @@ def recurrent_layer_flops_per_token(config) -> int:
         return 6 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     if getattr(c, "linear_num_heads", None):  # Kimi Delta Attention
         return 6 * c.linear_num_heads * c.linear_head_dim ** 2
-    heads = getattr(c, "mamba_n_heads", None) or getattr(c, "mamba_num_heads", None) or getattr(c, "n_mamba_heads", None)
+    heads = (getattr(c, "mamba_n_heads", None) or getattr(c, "mamba_num_heads", None)
+             or getattr(c, "n_mamba_heads", None))
     if heads:  # Mamba2 (Granite 4, Bamba, Falcon-H1, NemotronH, Zamba2)
         head_dim = (getattr(c, "mamba_d_head", None) or getattr(c, "mamba_head_dim", None)
                     or getattr(c, "mamba_headdim", None))

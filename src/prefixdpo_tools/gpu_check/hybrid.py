@@ -1,8 +1,8 @@
 """The hybrid section of `make gpu-check`: recurrent layers on shared prefixes, on CUDA.
 
 Tiny Qwen3.5 (Gated DeltaNet), LFM2 (short convolutions), NemotronH, Falcon-H1, Zamba2 and a pure Mamba2 (Mamba2),
-Kimi Linear (Kimi Delta Attention) and gpt-oss (attention sinks, a 16-token window) from `prefixdpo_tools.hybrid_models`, in fp32 and bf16, per GPU attention
-backend: `prefixdpo verify`'s four cases (`gpu_check.dpo.verify_check`) on records long enough that every span
+Kimi Linear (Kimi Delta Attention) and gpt-oss (attention sinks, a 16-token window) from
+`prefixdpo_tools.hybrid_models`, in fp32 and bf16, per GPU attention backend: `prefixdpo verify`'s four cases (`gpu_check.dpo.verify_check`) on records long enough that every span
 crosses the layers' chunk sizes (prompts of 150-200 tokens, responses of 40-90), so each response runs from its
 prompt's final state through whatever kernel this machine has: the CUDA kernels transformers picks where installed
 (`fla` for Gated DeltaNet and KDA, `causal-conv1d`, `mamba_ssm`), its torch paths elsewhere. The section's first line

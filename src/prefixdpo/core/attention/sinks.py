@@ -6,7 +6,8 @@ less than one. torch's SDPA has no such term, so the sdpa backend runs the model
 SDPA) over the line's rule as an additive mask: the same matmuls, the same sink concatenation, the same softmax, only
 the mask is the prefix-sharing rule (and its sliding window, `masks.dense_mask`) instead of the causal one. A query
 attends its ancestors and itself, so no row of the mask is empty. The segmented backend runs the same eager attention
-per group of segments over the group's additive mask (`segments.segmented_attention`'s `attend`). The flex backend (CUDA) has sinks of its own
+per group of segments over the group's additive mask (`segments.segmented_attention`'s `attend`). The flex backend
+(CUDA) has sinks of its own
 (transformers' `flex_attention_forward` renormalises by the log-sum-exp with `s_aux`).
 """
 
